@@ -1,0 +1,483 @@
+"""Experiment configuration: small frozen dataclasses loaded from YAML (STYLE.md rule 5).
+
+    cfg = load_experiment("experiments/bandit-starpo-s.yaml", overrides=["trainer.iterations=3"])
+
+Resolution order (later wins): dataclass defaults ← ``preset`` ← ``extends`` file ←
+the file itself ← ``--set`` overrides. Unknown keys, wrong types, bad enum values and
+out-of-range numbers raise :class:`ConfigError` naming the full key path and what is
+allowed. Defaults are the reference values of SPEC.md §4–§5. Derived values are
+properties, never fields filled in later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "ConfigError", "ModelConfig", "EnvConfig", "EvalConfig", "RolloutConfig", "AlgorithmConfig",
+    "TrainerConfig", "TrackingConfig", "HealthConfig", "ExperimentConfig", "SweepConfig", "PRESETS",
+    "load_experiment", "load_sweep", "build_config", "to_dict", "apply_overrides", "data_dir",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key path and what is allowed."""
+
+
+def data_dir() -> Path:
+    """Where runs, models and databases go: ``$RAGEN_DATA_DIR`` (default ``./data``), absolute."""
+    return Path(os.environ.get("RAGEN_DATA_DIR", "data")).expanduser().resolve()
+
+
+def F(default: Any, doc: str, **bounds: float) -> Any:
+    """A dataclass field with a one-line doc and optional numeric bounds (ge, gt, le, lt)."""
+    meta = {"doc": doc, **bounds}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which causal LM is trained and how."""
+
+    name: str = F("smollm2-135m-instruct", "model spec: 'smollm2-135m-instruct', 'tiny-random[:SEED]', a HF id or a local dir")
+    dtype: Literal["float32", "bfloat16", "float16"] = F("float32", "parameter dtype (only float32 is fast on CPUs without AVX512/AMX)")
+    device: Literal["auto", "cpu", "cuda"] = F("auto", "where the actor and critic live; auto picks cuda when available")
+    warmup: bool = F(False, "start from the format-warmed copy of the model (ragen model warmup), made once and cached")
+    warmup_steps: int = F(60, "supervised steps of the format warm-up", ge=1)
+    lora_rank: int = F(0, "LoRA rank; 0 means full fine-tuning (reference LoRA: 64)", ge=0)
+    lora_alpha: int = F(64, "LoRA alpha", ge=1)
+    lora_target: str = F("all-linear", "peft target_modules ('all-linear' or a comma list)")
+    gradient_checkpointing: bool = F(False, "recompute activations in backward (~40% less memory)")
+    max_length: int | None = F(None, "hard cap on sequence length; None uses the model's own limit", ge=16)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """One environment: a registered name and its constructor parameters."""
+
+    name: str = F("Bandit", "registered env name (see `ragen envs`)")
+    params: dict[str, Any] = F({}, "keyword arguments passed to ragen_core.envs.make(name, **params)")
+    tag: str | None = F(None, "label in metrics (env/<tag>/...); defaults to the name")
+
+    @property
+    def label(self) -> str:
+        return self.tag or self.name
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation (SPEC §5): fixed seeds, temperature 0.5, success and pass@N."""
+
+    envs: tuple[EnvConfig, ...] = F((), "envs to evaluate; empty means the training env")
+    seeds: int = F(256, "number of held-out seeds per env (reference: 256)", ge=1)
+    seed_start: int = F(123, "first held-out seed (reference: 123)", ge=0)
+    samples: int = F(1, "responses per held-out seed; pass@N uses N = samples", ge=1)
+    temperature: float = F(0.5, "sampling temperature for evaluation", gt=0.0)
+    every: int = F(10, "evaluate every N iterations (and after the last); 0 disables", ge=0)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout design (SPEC §3, §5)."""
+
+    prompts_per_iter: int = F(8, "P: prompt groups (initial states) per iteration", ge=1)
+    responses_per_prompt: int = F(16, "N: responses (trajectories) per prompt group", ge=1)
+    max_turns: int = F(5, "turns per episode", ge=1)
+    max_actions_per_turn: int = F(5, "actions the model may give in one reply, separated by ||", ge=1)
+    max_actions_per_episode: int = F(10, "action budget of a whole episode", ge=1)
+    max_new_tokens: int = F(128, "new tokens per reply", ge=1)
+    temperature: float = F(1.0, "sampling temperature for training rollouts", gt=0.0)
+    top_p: float = F(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
+    think: bool = F(True, "ask for <think>..</think><answer>..</answer>; False is the NoThink variant (<answer> only)")
+    format_penalty: float = F(-0.1, "added to a turn's reward when its reply does not parse or names no/unknown actions", le=0.0)
+    format_reward: float = F(0.0, "optional partial credit added for a reply that parses (0 disables)", ge=0.0)
+    reward_placement: Literal["last", "turn"] = F("last", "trajectory reward on the last generated token, or each turn's on that turn's last token")
+    window_turns: int | None = F(None, "keep only the last k turns in the prompt; None keeps all", ge=1)
+    max_context_tokens: int | None = F(None, "context cap for rollouts; None uses the model's limit", ge=16)
+    backend: Literal["hf", "vllm"] = F("hf", "generation backend")
+    cache_reuse: bool = F(True, "hf backend: keep each episode's KV cache across turns")
+    system_prompt: str = F(
+        "You're a helpful assistant. You always respond by giving your reasoning and then your answer.",
+        "system message of every dialogue",
+    )
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantage estimator, losses, KL and the StarPO-S filter (SPEC §4)."""
+
+    estimator: Literal["gae", "grpo", "bilevel_gae"] = F("gae", "advantage estimator")
+    gamma: float = F(1.0, "token-level discount (reference 1.0)", ge=0.0, le=1.0)
+    lam: float = F(1.0, "token-level GAE lambda (reference 1.0)", ge=0.0, le=1.0)
+    turn_gamma: float = F(1.0, "turn-level discount of the bi-level GAE", ge=0.0, le=1.0)
+    turn_lam: float = F(1.0, "turn-level lambda of the bi-level GAE", ge=0.0, le=1.0)
+    whiten_advantages: bool = F(True, "whiten advantages over the loss mask (PPO)")
+    clip_low: float = F(0.2, "epsilon_low of ratio clipping", gt=0.0, lt=1.0)
+    clip_high: float = F(0.2, "epsilon_high of ratio clipping (0.28 = clip-higher)", gt=0.0)
+    dual_clip: float = F(3.0, "dual-clip constant for negative advantages (> 1)", gt=1.0)
+    entropy_coef: float = F(0.001, "entropy bonus coefficient", ge=0.0)
+    kl_coef: float = F(0.001, "KL-to-reference coefficient; 0 disables the reference model entirely", ge=0.0)
+    kl_estimator: Literal["k1", "k3"] = F("k1", "KL estimator")
+    kl_in_reward: bool = F(False, "put the KL penalty in the reward instead of the loss")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = F("token-mean", "policy loss aggregation")
+    value_clip: float = F(0.5, "clip range of the value loss", gt=0.0)
+    critic: Literal["separate", "head", "none"] = F("separate", "critic: a separate model, a value head on the actor, or none (GRPO)")
+    filter_mode: Literal["std", "std_rev", "none"] = F("none", "uncertainty filter: keep highest-std groups, lowest, or all")
+    keep_ratio: float = F(1.0, "fraction of prompt groups kept by the filter (StarPO-S: 0.25)", gt=0.0, le=1.0)
+
+    @property
+    def uses_reference(self) -> bool:
+        """A reference policy forward pass is needed only when KL is on (SPEC §4)."""
+        return self.kl_coef > 0.0
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Optimisation and run control (SPEC §4 reference hyper-parameters)."""
+
+    iterations: int = F(200, "training iterations (rollout + update)", ge=1)
+    actor_lr: float = F(1e-6, "actor learning rate (LoRA multiplies it by lora_lr_multiplier)", gt=0.0)
+    critic_lr: float = F(1e-5, "critic learning rate", gt=0.0)
+    lora_lr_multiplier: float = F(10.0, "learning-rate multiplier under LoRA", gt=0.0)
+    weight_decay: float = F(0.01, "AdamW weight decay", ge=0.0)
+    betas: tuple[float, float] = F((0.9, 0.999), "AdamW betas")
+    grad_clip: float = F(1.0, "max global gradient norm", gt=0.0)
+    online_k: int = F(1, "Online-k: optimizer steps per fresh rollout batch; P is scaled by k (SPEC §5)", ge=1)
+    ppo_epochs: int = F(1, "passes over each mini-batch", ge=1)
+    micro_batch_size: int = F(4, "trajectories per forward/backward (token-mean stays exact)", ge=1)
+    logprob_chunk: int = F(128, "sequence chunk for log-prob/entropy to bound logits memory", ge=1)
+    backend: Literal["torch", "deepspeed"] = F("torch", "training backend")
+    zero_stage: int = F(0, "DeepSpeed ZeRO stage", ge=0, le=3)
+    seed: int = F(0, "seed for env seeds, sampling and initialisation", ge=0)
+    checkpoint_every: int = F(10, "save a checkpoint every N iterations (and at the end); 0 disables", ge=0)
+    threads: int | None = F(None, "torch CPU threads; None keeps torch's default", ge=1)
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow tracking."""
+
+    backend: Literal["mlflow", "none"] = F("mlflow", "where metrics go")
+    uri: str | None = F(None, "tracking URI; None means sqlite:///$RAGEN_DATA_DIR/mlflow.db")
+    experiment: str = F("ragen", "MLflow experiment name")
+    sample_trajectories: int = F(4, "trajectories logged as readable text each logged iteration", ge=0)
+    artifact_every: int = F(10, "log samples and the Parquet shard every N iterations; 0 disables", ge=0)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Echo-Trap (collapse) monitor, RAGEN §4: reward std and entropy fall first, then grad norm spikes."""
+
+    action: Literal["warn", "stop", "off"] = F("warn", "what to do when collapse is detected")
+    baseline_iters: int = F(5, "iterations that define the early-run level", ge=1)
+    std_drop: float = F(0.3, "warn when in-group reward std falls below this fraction of its early level", gt=0.0, le=1.0)
+    entropy_drop: float = F(0.5, "warn when entropy falls below this fraction of its early level", gt=0.0, le=1.0)
+    grad_z: float = F(4.0, "a grad-norm z-score above this counts as a spike", gt=0.0)
+    patience: int = F(3, "consecutive unhealthy iterations before acting", ge=1)
+
+
+PRESET_NAMES = ("starpo", "starpo-s", "grpo", "custom")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """One training experiment: everything `ragen train` needs."""
+
+    name: str = F("experiment", "run name prefix")
+    preset: Literal["starpo", "starpo-s", "grpo", "custom"] = F("custom", "algorithm preset applied under the file's values")
+    model: ModelConfig = F(ModelConfig(), "model")
+    env: EnvConfig = F(EnvConfig(), "training environment")
+    eval: EvalConfig = F(EvalConfig(), "held-out evaluation")
+    rollout: RolloutConfig = F(RolloutConfig(), "rollout design")
+    algorithm: AlgorithmConfig = F(AlgorithmConfig(), "estimator, losses and filter")
+    trainer: TrainerConfig = F(TrainerConfig(), "optimisation and run control")
+    tracking: TrackingConfig = F(TrackingConfig(), "MLflow tracking")
+    health: HealthConfig = F(HealthConfig(), "collapse monitor")
+
+    def __post_init__(self) -> None:
+        r, a = self.rollout, self.algorithm
+        if a.filter_mode != "none" and r.responses_per_prompt < 2:
+            raise ConfigError(
+                "algorithm.filter_mode: the uncertainty filter needs in-group std, which a group of "
+                f"rollout.responses_per_prompt={r.responses_per_prompt} does not have; set "
+                "rollout.responses_per_prompt >= 2 or algorithm.filter_mode=none"
+            )
+        if a.estimator == "grpo" and r.responses_per_prompt < 2:
+            raise ConfigError("algorithm.estimator: grpo normalises within a group; rollout.responses_per_prompt must be >= 2")
+        if a.estimator in ("gae", "bilevel_gae") and a.critic == "none":
+            raise ConfigError(f"algorithm.critic: estimator {a.estimator!r} needs a critic; use 'separate' or 'head'")
+        if r.max_actions_per_turn > r.max_actions_per_episode:
+            raise ConfigError(
+                f"rollout.max_actions_per_turn ({r.max_actions_per_turn}) exceeds "
+                f"rollout.max_actions_per_episode ({r.max_actions_per_episode})"
+            )
+        if self.trainer.backend == "deepspeed" and self.model.lora_rank and self.trainer.zero_stage == 3:
+            raise ConfigError("trainer.zero_stage: ZeRO-3 with LoRA is not supported; use stage 0-2")
+
+    @property
+    def algo_tag(self) -> str:
+        """starpo | starpo-s | grpo, for tracking tags (derived, so a custom config is named by what it does)."""
+        if self.algorithm.estimator == "grpo":
+            return "grpo"
+        starpo_s = self.algorithm.filter_mode != "none" and self.algorithm.kl_coef == 0.0
+        return "starpo-s" if starpo_s else "starpo"
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        """Online-k: k mini-batches of P groups each come from one fresh rollout (SPEC §5)."""
+        return self.rollout.prompts_per_iter * self.trainer.online_k
+
+    @property
+    def trajectories_per_rollout(self) -> int:
+        return self.prompts_per_rollout * self.rollout.responses_per_prompt
+
+    @property
+    def eval_envs(self) -> tuple[EnvConfig, ...]:
+        return self.eval.envs or (self.env,)
+
+
+# SPEC §4 presets: applied under the experiment file's own values.
+PRESETS: dict[str, dict[str, Any]] = {
+    "starpo": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_mode": "none", "keep_ratio": 1.0,
+                             "kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2}},
+    "starpo-s": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_mode": "std", "keep_ratio": 0.25,
+                               "kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28}},
+    "grpo": {"algorithm": {"estimator": "grpo", "critic": "none", "filter_mode": "none", "keep_ratio": 1.0,
+                           "kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2}},
+    "custom": {},
+}
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """An Optuna study over an experiment (flows/sweep.py)."""
+
+    name: str = F("sweep", "study name")
+    base: str = F("", "path of the base experiment YAML (relative to the sweep file)")
+    overrides: tuple[str, ...] = F((), "key=value overrides applied to the base for every trial")
+    space: dict[str, Any] = F({}, "search space: key -> list of choices, or {low, high, log, step}")
+    knobs: dict[str, Any] = F({}, "named paper knobs: responses_per_prompt, actions_per_turn, online_k -> list of values")
+    objective: Literal["final", "best", "auc"] = F("final", "validation success to optimise: final, best, or area under the curve")
+    cost_objective: Literal["none", "generated_tokens", "seconds"] = F("none", "optional second objective (minimised)")
+    direction: Literal["maximize", "minimize"] = F("maximize", "direction of the main objective")
+    n_trials: int | None = F(None, "trials; None means the full grid for the grid sampler", ge=1)
+    sampler: Literal["grid", "tpe", "random"] = F("grid", "Optuna sampler")
+    pruner: Literal["median", "none"] = F("median", "prune on intermediate validation success")
+    pruner_warmup: int = F(1, "evaluations before pruning may start", ge=0)
+    storage: str | None = F(None, "SQLAlchemy URL; None means sqlite:///$RAGEN_DATA_DIR/optuna.db")
+    heartbeat_seconds: int = F(30, "a trial whose worker is silent this long is marked FAIL", ge=1)
+    seed: int = F(0, "sampler seed", ge=0)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_experiment(path: str | os.PathLike[str], overrides: typing.Sequence[str] = ()) -> ExperimentConfig:
+    """Read an experiment YAML (with ``preset`` and ``extends``) and apply ``a.b=c`` overrides."""
+    raw = _read_with_extends(Path(path), seen=())
+    raw = apply_overrides(raw, overrides)
+    preset = raw.get("preset", "custom")
+    if preset not in PRESETS:
+        raise ConfigError(f"preset: {preset!r} is not one of {list(PRESETS)}")
+    return build_config(ExperimentConfig, _deep_merge(PRESETS[preset], raw))
+
+
+def load_sweep(path: str | os.PathLike[str], overrides: typing.Sequence[str] = ()) -> SweepConfig:
+    """Read a sweep YAML; ``base`` is resolved relative to the sweep file."""
+    p = Path(path)
+    raw = apply_overrides(_read_yaml(p), overrides)
+    cfg = build_config(SweepConfig, raw)
+    if not cfg.base:
+        raise ConfigError("base: a sweep must name its base experiment YAML")
+    base = (p.parent / cfg.base) if not Path(cfg.base).is_absolute() else Path(cfg.base)
+    if not base.exists():
+        base = Path(cfg.base)  # also accept a path relative to the working directory
+    if not base.exists():
+        raise ConfigError(f"base: experiment file {cfg.base!r} not found (looked beside {p} and in the working directory)")
+    return dataclasses.replace(cfg, base=str(base))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _read_with_extends(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    path = path.resolve() if path.exists() else path
+    if path in seen:
+        raise ConfigError(f"extends: cycle through {path}")
+    data = _read_yaml(path)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"extends: expected a file path, got {type(parent).__name__}")
+    base = _read_with_extends(path.parent / parent, seen + (path,))
+    return _deep_merge(base, data)
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "params" else v
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` strings (values parsed as YAML scalars/lists); returns a new dict."""
+    out = _deep_merge({}, raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def build_config(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass ``cls`` from plain data, checking keys, types and bounds."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or '<root>'}: expected a mapping, got {_tname(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        kpath = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            if cls is ExperimentConfig and key == "extends":
+                continue
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{kpath}: unknown key{hint} (allowed: {', '.join(fields)})")
+        kwargs[key] = _check_bounds(_coerce(hints[key], value, kpath), fields[key].metadata, kpath)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{path + ': ' if path else ''}{e}") from None
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(inner[0], value, path)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return build_config(tp, value, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {_tname(value)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{path}: expected a list of {len(args)} values, got {len(value)}")
+        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {_tname(value)}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported type {tp}")  # pragma: no cover - a schema bug
+
+
+def _check_bounds(value: Any, meta: typing.Mapping[str, Any], path: str) -> Any:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return value
+    checks = {"ge": (lambda v, b: v >= b, ">="), "gt": (lambda v, b: v > b, ">"),
+              "le": (lambda v, b: v <= b, "<="), "lt": (lambda v, b: v < b, "<")}
+    for key, (ok, sym) in checks.items():
+        if key in meta and not ok(value, meta[key]):
+            raise ConfigError(f"{path}: {value!r} is out of range; must be {sym} {meta[key]}")
+    return value
+
+
+def _tname(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (tuples as lists), e.g. for YAML artifacts and params."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(cfg)
+
+
+def field_docs(cls: type, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> one-line doc, for `ragen config` help and error messages."""
+    out: dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(field_docs(hints[f.name], key + "."))
+        else:
+            out[key] = f.metadata.get("doc", "")
+    return out
