@@ -1,0 +1,168 @@
+"""Config loading: defaults from SPEC, presets, extends, overrides, and every bad-input case."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ragen_core.config import (
+    PRESETS, ConfigError, ExperimentConfig, field_docs, load_experiment, load_sweep, to_dict,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_match_spec() -> None:
+    cfg = ExperimentConfig()
+    # SPEC §5: P=8, N=16, 5 turns, 5 actions/turn, 10/episode, T=1.0 train, 0.5 eval, 256 seeds from 123
+    r = cfg.rollout
+    assert (r.prompts_per_iter, r.responses_per_prompt, r.max_turns) == (8, 16, 5)
+    assert (r.max_actions_per_turn, r.max_actions_per_episode, r.temperature) == (5, 10, 1.0)
+    assert (cfg.eval.temperature, cfg.eval.seeds, cfg.eval.seed_start) == (0.5, 256, 123)
+    # SPEC §4: gamma = lam = 1, dual clip 3, entropy 0.001, value clip 0.5, AdamW, lrs, grad clip
+    a, t = cfg.algorithm, cfg.trainer
+    assert (a.gamma, a.lam, a.dual_clip, a.entropy_coef, a.value_clip) == (1.0, 1.0, 3.0, 0.001, 0.5)
+    assert (t.actor_lr, t.critic_lr, t.weight_decay, t.betas, t.grad_clip) == (1e-6, 1e-5, 0.01, (0.9, 0.999), 1.0)
+    assert cfg.rollout.format_penalty == -0.1
+
+
+def test_every_field_has_a_doc() -> None:
+    docs = field_docs(ExperimentConfig)
+    assert "rollout.prompts_per_iter" in docs
+    assert all(docs.values()), [k for k, v in docs.items() if not v]
+
+
+@pytest.mark.parametrize("preset,filter_mode,keep,kl,clip_high,algo", [
+    ("starpo", "none", 1.0, 0.001, 0.2, "starpo"),
+    ("starpo-s", "std", 0.25, 0.0, 0.28, "starpo-s"),
+    ("grpo", "none", 1.0, 0.001, 0.2, "grpo"),
+])
+def test_presets(tmp_path, preset, filter_mode, keep, kl, clip_high, algo) -> None:
+    cfg = load_experiment(write(tmp_path, f"preset: {preset}\n"))
+    a = cfg.algorithm
+    assert (a.filter_mode, a.keep_ratio, a.kl_coef, a.clip_low, a.clip_high) == (filter_mode, keep, kl, 0.2, clip_high)
+    assert cfg.algo_tag == algo
+    assert cfg.algorithm.uses_reference == (kl > 0)
+
+
+def test_file_values_win_over_preset_and_overrides_win_over_file(tmp_path) -> None:
+    p = write(tmp_path, "preset: starpo-s\nalgorithm: {keep_ratio: 0.5}\ntrainer: {iterations: 7}\n")
+    cfg = load_experiment(p, ["trainer.iterations=3", "rollout.think=false", "env.params.size=6"])
+    assert cfg.algorithm.keep_ratio == 0.5 and cfg.algorithm.clip_high == 0.28
+    assert cfg.trainer.iterations == 3 and cfg.rollout.think is False
+    assert cfg.env.params == {"size": 6}
+
+
+def test_extends_merges_sections(tmp_path) -> None:
+    write(tmp_path, "preset: starpo\nrollout: {max_turns: 3, prompts_per_iter: 4}\n", "base.yaml")
+    cfg = load_experiment(write(tmp_path, "extends: base.yaml\nrollout: {max_turns: 2}\n"))
+    assert cfg.rollout.max_turns == 2 and cfg.rollout.prompts_per_iter == 4 and cfg.preset == "starpo"
+
+
+def test_extends_cycle_is_an_error(tmp_path) -> None:
+    write(tmp_path, "extends: b.yaml\n", "a.yaml")
+    write(tmp_path, "extends: a.yaml\n", "b.yaml")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_experiment(tmp_path / "a.yaml")
+
+
+def test_derived_values_are_properties(tmp_path) -> None:
+    cfg = load_experiment(write(tmp_path, "rollout: {prompts_per_iter: 4, responses_per_prompt: 2}\ntrainer: {online_k: 3}\n"))
+    assert cfg.prompts_per_rollout == 12 and cfg.trajectories_per_rollout == 24
+    assert "prompts_per_rollout" not in {f.name for f in dataclasses.fields(cfg)}
+
+
+# ---- every bad-config case names the key path -------------------------------------------
+
+@pytest.mark.parametrize("text,needle", [
+    ("rollout: {prompt_per_iter: 3}\n", "rollout.prompt_per_iter: unknown key; did you mean 'prompts_per_iter'?"),
+    ("trainer: {iterations: three}\n", "trainer.iterations: expected an integer, got 'three'"),
+    ("trainer: {iterations: 2.5}\n", "trainer.iterations: expected an integer"),
+    ("rollout: {think: 1}\n", "rollout.think: expected true or false"),
+    ("algorithm: {estimator: ppo}\n", "algorithm.estimator: 'ppo' is not allowed; choose one of ['gae', 'grpo', 'bilevel_gae']"),
+    ("rollout: {responses_per_prompt: -4}\n", "rollout.responses_per_prompt: -4 is out of range; must be >= 1"),
+    ("algorithm: {keep_ratio: 1.5}\n", "algorithm.keep_ratio: 1.5 is out of range; must be <= 1.0"),
+    ("eval: {envs: [{name: Bandit, colour: red}]}\n", "eval.envs[0].colour: unknown key"),
+    ("trainer: {betas: [0.9]}\n", "trainer.betas: expected a list of 2 values"),
+    ("rollout: 3\n", "rollout: expected a mapping, got int"),
+    ("preset: starpo-z\n", "preset: 'starpo-z' is not one of"),
+    ("colour: blue\n", "colour: unknown key"),
+    ("- a\n- b\n", "the top level must be a mapping"),
+])
+def test_bad_values_name_the_key_path(tmp_path, text, needle) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_experiment(write(tmp_path, text))
+    assert needle in str(e.value)
+
+
+def test_missing_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="file not found"):
+        load_experiment(tmp_path / "nope.yaml")
+
+
+def test_malformed_yaml_reports_line(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"malformed YAML at line 3"):
+        load_experiment(write(tmp_path, "rollout:\n  max_turns: [1, 2\n"))
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("trainer.iterations", "expected key.path=value"),
+    ("trainer..iterations=3", "expected key.path=value"),
+    ("trainer.iteration=3", "trainer.iteration: unknown key; did you mean 'iterations'?"),
+    ("trainer.iterations=-1", "trainer.iterations: -1 is out of range"),
+])
+def test_bad_overrides(tmp_path, override, needle) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_experiment(write(tmp_path, "name: x\n"), [override])
+    assert needle in str(e.value)
+
+
+def test_group_size_one_with_filter_is_refused(tmp_path) -> None:
+    # SPEC §4: a group of 1 has no in-group std, so the uncertainty filter is undefined
+    with pytest.raises(ConfigError, match="responses_per_prompt"):
+        load_experiment(write(tmp_path, "preset: starpo-s\nrollout: {responses_per_prompt: 1}\n"))
+    cfg = load_experiment(write(tmp_path, "preset: starpo\nrollout: {responses_per_prompt: 1}\n"))
+    assert cfg.rollout.responses_per_prompt == 1
+
+
+def test_cross_field_checks(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="algorithm.critic"):
+        load_experiment(write(tmp_path, "algorithm: {estimator: gae, critic: none}\n"))
+    with pytest.raises(ConfigError, match="max_actions_per_turn"):
+        load_experiment(write(tmp_path, "rollout: {max_actions_per_turn: 6, max_actions_per_episode: 5}\n"))
+
+
+def test_loading_does_not_mutate_presets(tmp_path) -> None:
+    before = repr(PRESETS)
+    load_experiment(write(tmp_path, "preset: starpo-s\nalgorithm: {keep_ratio: 0.5}\n"), ["algorithm.clip_high=0.3"])
+    assert repr(PRESETS) == before
+
+
+def test_to_dict_round_trips(tmp_path) -> None:
+    cfg = load_experiment(write(tmp_path, "preset: starpo-s\neval: {envs: [{name: BanditRev}]}\n"))
+    import yaml
+    again = load_experiment(write(tmp_path, yaml.safe_dump(to_dict(cfg)), "again.yaml"))
+    assert again == cfg
+
+
+def test_sweep_loading(tmp_path) -> None:
+    write(tmp_path, "preset: starpo-s\n", "base.yaml")
+    s = load_sweep(write(tmp_path, "name: s\nbase: base.yaml\nknobs: {responses_per_prompt: [2, 4]}\n", "sw.yaml"))
+    assert Path(s.base).exists() and s.knobs == {"responses_per_prompt": [2, 4]}
+    with pytest.raises(ConfigError, match="base"):
+        load_sweep(write(tmp_path, "name: s\nbase: missing.yaml\n", "bad.yaml"))
+
+
+def test_shipped_experiments_load() -> None:
+    files = sorted((ROOT / "experiments").glob("*.yaml"))
+    assert files, "experiments/ must ship YAML files"
+    for f in files:
+        load_experiment(f)
