@@ -1,0 +1,121 @@
+"""Key/value-cache plumbing for the hf backend: batching per-row caches and taking rows back out.
+
+A row's cache is a list over layers of ``(keys, values)``, each ``[H, L, D]`` (H key/value heads,
+L tokens, D head size), with no padding. A batch cache is the same list with ``[B, H, W, D]`` tensors
+and a ``[B, W]`` attention mask (1 = a real token). Rows are right-aligned (left padding) and may
+contain masked holes: positions come from the mask (cumsum - 1), so a hole changes nothing but the
+amount of memory used. ``growing_cache`` wraps batch tensors into a transformers ``DynamicCache``
+that appends in place into preallocated room instead of concatenating the whole cache every step.
+
+Nothing to run here; ``tests/unit/rollout/test_generators.py`` exercises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+"""(keys, values) of one layer: [H, L, D] for a row, [B, H, W, D] for a batch."""
+
+
+def kv_nbytes(layers: Sequence[LayerKV]) -> int:
+    """Bytes held by a cache (row or batch)."""
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+
+
+def stack_left_padded(
+    rows: Sequence[Sequence[LayerKV] | None], width: int, like: Sequence[LayerKV]
+) -> list[LayerKV]:
+    """Batch per-row caches, each right-aligned in ``width`` slots with zeros on the left.
+
+    rows: per row, a list over layers of ([H, L_r, D], [H, L_r, D]) or None for an empty cache;
+    like: any cache of the same model (gives H, D, dtype, device).
+    Returns a list over layers of ([B, H, width, D], [B, H, width, D]). The caller's mask must be 0 on
+    the zero slots; zeros (not garbage) keep masked attention terms finite.
+    """
+    out: list[LayerKV] = []
+    for layer, (k_like, v_like) in enumerate(like):
+        h, d = k_like.shape[-3], k_like.shape[-1]
+        keys = k_like.new_zeros(len(rows), h, width, d)  # [B, H, W, D]
+        values = v_like.new_zeros(len(rows), h, width, v_like.shape[-1])
+        for b, row in enumerate(rows):
+            if row is not None and row[layer][0].shape[-2] > 0:
+                n = row[layer][0].shape[-2]
+                keys[b, :, width - n :] = row[layer][0]
+                values[b, :, width - n :] = row[layer][1]
+        out.append((keys, values))
+    return out
+
+
+def take_row(layers: Sequence[LayerKV], row: int, positions: torch.Tensor) -> list[LayerKV]:
+    """Copy one row's cache out of a batch cache, keeping only ``positions`` ([L] long, in order).
+
+    Returns a list over layers of contiguous ([H, L, D], [H, L, D]) tensors that own their memory, so
+    the batch cache can be freed.
+    """
+    return [(k[row].index_select(1, positions), v[row].index_select(1, positions)) for k, v in layers]
+
+
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer that appends into preallocated room (amortised O(new tokens) per step).
+
+    transformers' DynamicLayer concatenates the whole cache with every new token, copying
+    B*H*W*D floats per layer per decoded token; here room grows by doubling and ``keys``/``values``
+    are views of the filled part.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._length = keys.shape[-2]
+        self._k = _with_room(keys, self._length + room)
+        self._v = _with_room(values, self._length + room)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.keys = self._k[..., : self._length, :]
+        self.values = self._v[..., : self._length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> LayerKV:
+        n = key_states.shape[-2]
+        if self._length + n > self._k.shape[-2]:
+            grown = max(2 * self._k.shape[-2], self._length + n)
+            self._k, self._v = _with_room(self.keys, grown), _with_room(self.values, grown)
+        self._k[..., self._length : self._length + n, :] = key_states
+        self._v[..., self._length : self._length + n, :] = value_states
+        self._length += n
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._refresh()
+
+    def crop(self, tokens_to_remove: int) -> None:  # pragma: no cover - not used by the hf backend
+        raise NotImplementedError("_GrowingLayer does not support crop")
+
+
+def _with_room(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[..., L, D] -> [..., capacity, D] with ``t`` in the first L slots (the rest uninitialised)."""
+    out = t.new_empty(*t.shape[:-2], capacity, t.shape[-1])
+    out[..., : t.shape[-2], :] = t
+    return out
+
+
+def growing_cache(layers: Sequence[LayerKV], room: int) -> DynamicCache:
+    """A DynamicCache over batch tensors ([B, H, W, D] per layer) with ``room`` free slots per layer."""
+    cache = DynamicCache()
+    cache.layers = [_GrowingLayer(k, v, room) for k, v in layers]
+    return cache
+
+
+def cache_layers(cache: DynamicCache) -> list[LayerKV]:
+    """The (keys, values) tensors of every layer of a transformers cache ([B, H, W, D] each)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
