@@ -137,6 +137,7 @@ class AlgorithmConfig:
     kl_in_reward: bool = F(False, "put the KL penalty in the reward instead of the loss")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = F("token-mean", "policy loss aggregation")
     value_clip: float = F(0.5, "clip range of the value loss", gt=0.0)
+    value_coef: float = F(0.5, "weight of the value loss when the critic is a head on the actor (one shared backward)", ge=0.0)
     critic: Literal["separate", "head", "none"] = F("separate", "critic: a separate model, a value head on the actor, or none (GRPO)")
     filter_mode: Literal["std", "std_rev", "none"] = F("none", "uncertainty filter: keep highest-std groups, lowest, or all")
     keep_ratio: float = F(1.0, "fraction of prompt groups kept by the filter (StarPO-S: 0.25)", gt=0.0, le=1.0)

@@ -1,0 +1,126 @@
+"""Training engines: the seam between the update loop and how backward/optimizer steps happen.
+
+The update calls only ``engine.backward(loss)`` per micro-batch and
+``engine.step()`` once per mini-batch, so a DeepSpeed engine (ZeRO, several
+processes) can replace :class:`TorchEngine` without touching the update math.
+``ENGINES`` maps ``trainer.backend`` to a factory.
+
+    actor_engine, critic_engine = make_engines(models, cfg)
+
+Run the tests with ``python -m pytest tests/unit/trainer -q``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ragen_core.config import ExperimentConfig
+from ragen_core.trainer.models import PolicyModels
+
+__all__ = ["ENGINES", "Engine", "TorchEngine", "learning_rates", "make_engines"]
+
+
+class Engine(Protocol):
+    """Backward and optimizer step for one trained module (actor, or critic)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of ``loss`` (a micro-batch's share of the mini-batch loss)."""
+
+    def step(self) -> float:
+        """Clip the accumulated gradients to ``grad_clip``, step, zero them; return the pre-clip global norm."""
+
+    @property
+    def lr(self) -> float:
+        """Learning rate of the first parameter group."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state for checkpoints."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+class TorchEngine:
+    """Plain PyTorch: ``loss.backward()``, ``clip_grad_norm_`` over all parameters, AdamW.
+
+    A step whose gradient norm is not finite is skipped (gradients dropped, the
+    optimizer untouched) rather than writing NaN into the weights; ``skipped``
+    counts such steps.
+    """
+
+    def __init__(
+        self, param_groups: list[dict[str, Any]], betas: tuple[float, float], weight_decay: float, grad_clip: float
+    ) -> None:
+        self.params = [p for g in param_groups for p in g["params"]]
+        self.optimizer = torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay)
+        self.grad_clip = grad_clip
+        self.skipped = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped = int(state.get("skipped", 0))
+
+
+def _trainable(*modules: nn.Module | None) -> list[nn.Parameter]:
+    return [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
+
+
+def learning_rates(cfg: ExperimentConfig) -> tuple[float, float]:
+    """(actor lr, critic lr). Under LoRA both are multiplied by ``lora_lr_multiplier`` (SPEC §4: LoRA lr ×10),
+    since the critic then trains adapters too."""
+    mult = cfg.trainer.lora_lr_multiplier if cfg.model.lora_rank > 0 else 1.0
+    return cfg.trainer.actor_lr * mult, cfg.trainer.critic_lr * mult
+
+
+def _torch_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Engine, Engine | None]:
+    t = cfg.trainer
+    actor_lr, critic_lr = learning_rates(cfg)
+    groups = [{"params": _trainable(models.actor), "lr": actor_lr}]
+    if models.value_head is not None:  # the head shares the actor's backward, so it shares its engine
+        groups.append({"params": _trainable(models.value_head), "lr": critic_lr})
+    actor = TorchEngine(groups, t.betas, t.weight_decay, t.grad_clip)
+    critic = None
+    if models.critic is not None:
+        critic = TorchEngine([{"params": _trainable(models.critic), "lr": critic_lr}], t.betas, t.weight_decay, t.grad_clip)
+    return actor, critic
+
+
+EngineFactory = Callable[[PolicyModels, ExperimentConfig], tuple[Engine, "Engine | None"]]
+
+ENGINES: dict[str, EngineFactory] = {"torch": _torch_engines}
+"""trainer.backend -> factory of (actor engine, critic engine or None)."""
+
+
+def make_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Engine, Engine | None]:
+    """Engines for ``cfg.trainer.backend``; the critic engine is None without a separate critic."""
+    backend = cfg.trainer.backend
+    if backend not in ENGINES:
+        raise ValueError(
+            f"trainer.backend {backend!r} has no engine in this install (available: {sorted(ENGINES)})"
+        )
+    return ENGINES[backend](models, cfg)
+

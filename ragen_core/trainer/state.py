@@ -1,0 +1,64 @@
+"""TrainState: everything a run carries from one iteration to the next, and how it is created.
+
+    state = init_state(cfg)          # seeds python/numpy/torch from cfg.trainer.seed, builds models + engines
+    stats = update(state, batch, cfg)
+    state.iteration += 1
+
+Checkpoints (``ragen_core.trainer.checkpoint``) save and restore exactly this
+record plus the global RNG states, so that a resumed run makes the same next
+update as one that never stopped.
+
+Run the tests with ``python -m pytest tests/unit/trainer -q``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ragen_core.config import ExperimentConfig
+from ragen_core.trainer.engine import Engine, make_engines
+from ragen_core.trainer.models import PolicyModels, build_policy_models
+
+__all__ = ["TrainState", "init_state", "seed_everything"]
+
+
+@dataclass
+class TrainState:
+    """The live training state (mutable on purpose: modules and optimizers change in place)."""
+
+    cfg: ExperimentConfig
+    models: PolicyModels
+    actor_engine: Engine
+    """Backward/step of the actor (and of a value head on it)."""
+    critic_engine: Engine | None
+    """Backward/step of the separate critic; None without one."""
+    iteration: int = 0
+    """Completed training iterations (rollout + update)."""
+    env_seed_counter: int = 0
+    """Next env seed to hand out for training rollouts (the flow advances it)."""
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python ``random``, numpy's global RNG and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def init_state(cfg: ExperimentConfig, base: nn.Module | None = None) -> TrainState:
+    """A fresh TrainState for ``cfg``: seeds every RNG from ``cfg.trainer.seed``, then builds models and engines.
+
+    ``base``: an already loaded causal LM to start from (copied, not modified);
+    None loads ``cfg.model.name``.
+    """
+    if cfg.trainer.threads is not None:
+        torch.set_num_threads(cfg.trainer.threads)
+    seed_everything(cfg.trainer.seed)
+    models = build_policy_models(cfg, base)
+    actor_engine, critic_engine = make_engines(models, cfg)
+    return TrainState(cfg=cfg, models=models, actor_engine=actor_engine, critic_engine=critic_engine)

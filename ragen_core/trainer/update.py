@@ -1,0 +1,300 @@
+"""One StarPO update: all optimizer steps made from one fresh rollout batch (SPEC §4, §5).
+
+    stats = update(state, batch, cfg, think_tokens=[t.turns[0].think_tokens for t in trajs])
+    stats.metrics["actor/grad_norm"], stats.optimizer_steps
+
+Steps (the math is ``ragen_core.algos``; this module only orchestrates):
+
+1. Under no_grad: old values from the critic and, only when KL is on,
+   reference log-probs. The rollout's sampling log-probs are the old log-probs.
+2. Token rewards (+ the KL penalty when ``kl_in_reward``), then advantages
+   from the estimator picked in :data:`ESTIMATORS`, whitened over the loss mask
+   for the GAE estimators (GRPO is already normalised within groups).
+3. Online-k (SPEC §5): the rows are split into ``trainer.online_k`` equal
+   mini-batches, each one optimizer step (repeated ``ppo_epochs`` times).
+   Each mini-batch is split into micro-batches of ``trainer.micro_batch_size``
+   rows whose losses are normalised by the whole mini-batch's count (loss tokens
+   for token-mean), so the accumulated gradient is exactly the mini-batch's.
+4. Actor loss = policy loss − entropy_coef·entropy (+ kl_coef·KL in the loss);
+   critic loss = clipped value loss. The gradient norm is taken over each
+   mini-batch's accumulated gradient (the whole update, not one micro-batch).
+
+The update mutates ``state.models`` and the engines' optimizers in place (it
+is a training step); it never modifies ``batch``.
+
+Run the tests with ``python -m pytest tests/unit/trainer -q``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ragen_core.algos import advantages as adv_fns
+from ragen_core.algos import losses
+from ragen_core.algos.masked import masked_mean, masked_var, masked_whiten
+from ragen_core.config import AlgorithmConfig, ExperimentConfig
+from ragen_core.trainer.forward import policy_forward
+from ragen_core.trainer.models import PolicyModels, critic_values, reference_logprobs
+from ragen_core.trainer.state import TrainState
+from ragen_core.types import TokenBatch, UpdateStats
+
+__all__ = ["ESTIMATORS", "compute_advantages", "micro_slices", "update"]
+
+Estimator = Callable[[TokenBatch, torch.Tensor, "torch.Tensor | None", AlgorithmConfig],
+                     tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+def _gae(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
+         algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return adv_fns.gae(rewards, _need(values), batch.loss_mask, gamma=algo.gamma, lam=algo.lam)
+
+
+def _bilevel_gae(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
+                 algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return adv_fns.bilevel_gae(rewards, _need(values), batch.loss_mask, batch.turn_ends, gamma=algo.gamma,
+                               lam=algo.lam, turn_gamma=algo.turn_gamma, turn_lam=algo.turn_lam)
+
+
+def _grpo(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
+          algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # A trajectory's return is the sum of its token rewards: batch.returns plus any KL placed in the reward.
+    traj_returns = batch.returns + (rewards - batch.rewards).sum(dim=1)  # [B]
+    advantages = adv_fns.grpo(traj_returns, batch.group_ids)[:, None] * batch.loss_mask  # [B, T]
+    # An optional critic next to GRPO learns discounted returns-to-go (a diagnostic; λ = 1 makes them MC returns).
+    returns = None if values is None else adv_fns.gae(rewards, values, batch.loss_mask, algo.gamma, 1.0)[1]
+    return advantages, returns
+
+
+def _need(values: torch.Tensor | None) -> torch.Tensor:
+    if values is None:
+        raise ValueError("the gae estimators need a critic; set algorithm.critic to 'separate' or 'head'")
+    return values
+
+
+ESTIMATORS: dict[str, Estimator] = {"gae": _gae, "bilevel_gae": _bilevel_gae, "grpo": _grpo}
+"""algorithm.estimator -> (batch, token rewards, old values or None, algo) -> (advantages [B, T], returns [B, T] or None)."""
+
+_WHITENED = {"gae", "bilevel_gae"}  # GRPO advantages are already group-normalised (SPEC §4)
+
+
+def compute_advantages(
+    batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None, algo: AlgorithmConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Advantages [B, T] (whitened over the loss mask when configured) and critic targets [B, T] or None."""
+    advantages, returns = ESTIMATORS[algo.estimator](batch, rewards, values, algo)
+    if algo.whiten_advantages and algo.estimator in _WHITENED:
+        advantages = masked_whiten(advantages, batch.loss_mask)
+    return advantages, returns
+
+
+def micro_slices(n_rows: int, micro_batch_size: int) -> list[slice]:
+    """Consecutive row slices of at most ``micro_batch_size`` rows covering ``n_rows`` (deterministic order)."""
+    return [slice(s, min(s + micro_batch_size, n_rows)) for s in range(0, n_rows, micro_batch_size)]
+
+
+def _take(x: torch.Tensor | None, rows: torch.Tensor, width: int) -> torch.Tensor | None:
+    """Rows of a per-token [B, T] tensor, cut to ``width`` columns like ``TokenBatch.select`` cuts padding."""
+    return None if x is None else x.index_select(0, rows)[:, :width]
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+@torch.no_grad()
+def _rollout_side(
+    models: PolicyModels, batch: TokenBatch, cfg: ExperimentConfig
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(old values [B, T] or None, reference log-probs [B, T] or None), micro-batched, no gradients."""
+    has_critic = models.critic is not None or models.value_head is not None
+    if not has_critic and not models.use_reference:
+        return None, None
+    values, ref = [], []
+    width = batch.input_ids.shape[1]
+    for s in micro_slices(batch.batch_size, cfg.trainer.micro_batch_size):
+        mb = batch.select(torch.arange(s.start, s.stop))
+        if has_critic:
+            values.append(_pad_to(critic_values(models, mb.input_ids, mb.attention_mask), width))
+        if models.use_reference:
+            lp = reference_logprobs(models, mb.input_ids, mb.attention_mask, cfg.rollout.temperature,
+                                    cfg.trainer.logprob_chunk)
+            ref.append(_pad_to(lp, width))
+    return (torch.cat(values) if values else None), (torch.cat(ref) if ref else None)
+
+
+def _token_rewards(batch: TokenBatch, ref_logprobs: torch.Tensor | None, algo: AlgorithmConfig) -> torch.Tensor:
+    """Rewards [B, T]; with ``kl_in_reward`` minus kl_coef·KL(rollout ‖ ref) on every generated token."""
+    if not (algo.kl_in_reward and ref_logprobs is not None):
+        return batch.rewards.float()
+    kl = losses.kl_penalty(batch.old_logprobs, ref_logprobs, algo.kl_estimator)  # [B, T]
+    return batch.rewards.float() - algo.kl_coef * torch.where(batch.loss_mask, kl, 0.0)
+
+
+class _Meter:
+    """Token-weighted means of per-micro-batch stats, plus per-step values (grad norms, losses)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.steps: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, prefix: str, stats: dict[str, torch.Tensor], weight: float) -> None:
+        for k, v in stats.items():
+            if k != "n_tokens":
+                self.sums[prefix + k] += float(v) * weight
+                self.weights[prefix + k] += weight
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+def update(
+    state: TrainState, batch: TokenBatch, cfg: ExperimentConfig, think_tokens: Sequence[float] | None = None
+) -> UpdateStats:
+    """All optimizer steps of one rollout batch (Online-k: ``trainer.online_k`` mini-batches × ``ppo_epochs``).
+
+    batch: the (already filtered) rows to train on; think_tokens: optional
+    ``<think>`` length per row (summed over its turns) for the response/
+    metrics. Returns namespaced metrics (actor/, critic/, response/, timing/, perf/).
+    """
+    started = time.perf_counter()
+    algo, tr = cfg.algorithm, cfg.trainer
+    models = state.models
+    if batch.batch_size < tr.online_k:
+        raise ValueError(f"{batch.batch_size} rows cannot make trainer.online_k={tr.online_k} mini-batches")
+    models.train()
+    old_values, ref_logprobs = _rollout_side(models, batch, cfg)
+    rewards = _token_rewards(batch, ref_logprobs, algo)
+    advantages, returns = compute_advantages(batch, rewards, old_values, algo)
+    train_critic = returns is not None and old_values is not None
+
+    meter = _Meter()
+    steps = 0
+    for _ in range(tr.ppo_epochs):
+        for mb_rows in torch.tensor_split(torch.arange(batch.batch_size), tr.online_k):
+            _mini_batch_step(state, batch, mb_rows, advantages, returns if train_critic else None,
+                             old_values, ref_logprobs, cfg, meter)
+            steps += 1
+
+    seconds = time.perf_counter() - started
+    metrics = meter.means()
+    for key, values in meter.steps.items():
+        metrics[key] = sum(values) / len(values)
+        if key.endswith("grad_norm"):
+            metrics[key + "_max"] = max(values)
+    metrics.update(_batch_metrics(batch, advantages, returns, old_values, think_tokens))
+    metrics["actor/lr"] = state.actor_engine.lr
+    if state.critic_engine is not None:
+        metrics["critic/lr"] = state.critic_engine.lr
+    n_tokens = float(batch.attention_mask.sum())
+    metrics.update({"timing/update_s": seconds, "perf/update_tokens": n_tokens,
+                    "perf/update_tokens_per_s": n_tokens * tr.ppo_epochs / max(seconds, 1e-9)})
+    return UpdateStats(metrics=metrics, optimizer_steps=steps)
+
+
+def _mini_batch_step(
+    state: TrainState,
+    batch: TokenBatch,
+    rows: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor | None,
+    old_values: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    cfg: ExperimentConfig,
+    meter: _Meter,
+) -> None:
+    """One optimizer step on ``rows``: accumulate micro-batch gradients, then clip and step once."""
+    algo, tr, models = cfg.algorithm, cfg.trainer, state.models
+    mb = batch.select(rows)
+    width = mb.input_ids.shape[1]
+    mb_adv, mb_ret = _take(advantages, rows, width), _take(returns, rows, width)
+    mb_values, mb_ref = _take(old_values, rows, width), _take(ref_logprobs, rows, width)
+    # Exact token-mean across micro-batches: every micro-batch divides by the mini-batch's count.
+    normaliser = losses.aggregation_normaliser(mb.loss_mask, algo.loss_agg)
+    value_normaliser = losses.aggregation_normaliser(mb.loss_mask, "token-mean")
+    aggregate = losses.AGGREGATIONS[algo.loss_agg]
+    kl_in_loss = ref_logprobs is not None and not algo.kl_in_reward
+    totals: dict[str, float] = defaultdict(float)
+
+    for s in micro_slices(mb.batch_size, tr.micro_batch_size):
+        micro = mb.select(torch.arange(s.start, s.stop))
+        w = micro.input_ids.shape[1]
+        m = micro.loss_mask
+        out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
+                             tr.logprob_chunk, entropy_grad=algo.entropy_coef > 0)
+        pg_loss, pg_stats = losses.policy_loss(
+            out.logprobs, micro.old_logprobs, mb_adv[s, :w], m, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip, agg=algo.loss_agg, normaliser=normaliser)
+        entropy = aggregate(out.entropy, m, normaliser)
+        loss = pg_loss - algo.entropy_coef * entropy
+        n_tok = float(m.sum())
+        meter.add("actor/", pg_stats, n_tok)
+        meter.add("actor/", {"entropy": losses.token_mean(out.entropy.detach(), m)}, n_tok)
+        if kl_in_loss:
+            kl = losses.kl_penalty(out.logprobs, mb_ref[s, :w], algo.kl_estimator)  # [b, w]
+            loss = loss + algo.kl_coef * aggregate(kl, m, normaliser)
+            meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), m)}, n_tok)
+        if mb_ret is not None and models.value_head is not None:  # value head: one backward for both losses
+            v_loss, v_stats = _value_loss(critic_values(models, micro.input_ids, micro.attention_mask, out.hidden),
+                                          mb_values[s, :w], mb_ret[s, :w], m, algo, value_normaliser)
+            loss = loss + algo.value_coef * v_loss
+            totals["critic/value_loss"] += float(v_loss.detach())
+            meter.add("critic/", v_stats, n_tok)
+        state.actor_engine.backward(loss)
+        totals["actor/pg_loss"] += float(pg_loss.detach())
+        if mb_ret is not None and models.critic is not None and state.critic_engine is not None:
+            v_loss, v_stats = _value_loss(models.critic(micro.input_ids, micro.attention_mask),
+                                          mb_values[s, :w], mb_ret[s, :w], m, algo, value_normaliser)
+            state.critic_engine.backward(v_loss)
+            totals["critic/value_loss"] += float(v_loss.detach())
+            meter.add("critic/", v_stats, n_tok)
+
+    meter.steps["actor/grad_norm"].append(state.actor_engine.step())
+    if mb_ret is not None and state.critic_engine is not None:
+        meter.steps["critic/grad_norm"].append(state.critic_engine.step())
+    for key, value in totals.items():  # micro-batch losses sum to the mini-batch loss
+        meter.steps[key].append(value)
+
+
+def _value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                algo: AlgorithmConfig, normaliser: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss, stats = losses.value_loss(values, old_values, returns, mask, clip_range=algo.value_clip,
+                                    agg="token-mean", normaliser=normaliser)
+    return loss, {"vf_clipfrac": stats["value_clipfrac"], "n_tokens": stats["n_tokens"]}
+
+
+def _batch_metrics(
+    batch: TokenBatch,
+    advantages: torch.Tensor,
+    returns: torch.Tensor | None,
+    values: torch.Tensor | None,
+    think_tokens: Sequence[float] | None,
+) -> dict[str, float]:
+    """Advantage, return, value and length statistics of the whole update batch (SPEC §6)."""
+    mask = batch.loss_mask
+    picked = advantages[mask]
+    lengths = mask.sum(dim=1).float()  # [B] generated tokens per trajectory
+    out = {
+        "actor/advantages_mean": float(picked.mean()) if picked.numel() else 0.0,
+        "actor/advantages_std": float(picked.std()) if picked.numel() > 1 else 0.0,
+        "actor/advantages_max": float(picked.max()) if picked.numel() else 0.0,
+        "actor/advantages_min": float(picked.min()) if picked.numel() else 0.0,
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "perf/update_rows": float(batch.batch_size),
+    }
+    if think_tokens is not None:
+        if len(think_tokens) != batch.batch_size:
+            raise ValueError(f"think_tokens has {len(think_tokens)} entries for {batch.batch_size} rows")
+        out["response/think_length_mean"] = float(sum(think_tokens)) / max(len(think_tokens), 1)
+    if returns is not None and values is not None:
+        ret_var = masked_var(returns, mask)
+        # Explained variance of the critic's (pre-update) values, as veRL logs it: 1 − Var(R − V)/Var(R).
+        out["critic/explained_var"] = float(1.0 - masked_var(returns - values, mask) / (ret_var + 1e-8))
+        out["critic/returns_mean"] = float(masked_mean(returns, mask))
+        out["critic/values_mean"] = float(masked_mean(values, mask))
+    return out
