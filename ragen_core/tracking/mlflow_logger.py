@@ -1,0 +1,428 @@
+"""MLflowLogger: one MLflow run per training run, delivered through a local outbox.
+
+    from ragen_core.tracking import MLflowLogger, default_tracking_uri
+    log = MLflowLogger(default_tracking_uri(), "ragen", run_name="bandit-starpo-s-001",
+                       outbox_dir=Path("data/runs/bandit-starpo-s-001"), tags={"algo": "starpo-s"})
+    log.log_metrics({"env/success": 0.4, "actor/grad_norm": 0.8}, step=1)
+    log.close()                       # FINISHED; resume later with MLflowLogger(..., run_id=log.run_id)
+
+Why an outbox: the issue asks that training never crashes and never loses a metric
+when the tracking server is unreachable or dies mid-run. Each call first appends to
+``<outbox_dir>/tracking-outbox.jsonl`` (see :mod:`.outbox`), then tries to send every
+pending entry in as few ``MlflowClient.log_batch`` calls as MLflow's limits allow
+(1000 metrics / 100 params / 100 tags per call; on sqlite each separate call costs
+~4 ms, a batch of 100 metrics about the same). On any failure it warns once per
+outage, waits ``retry_interval_s`` before trying again, and keeps logging locally;
+``flush()`` and ``close()`` always try. A run that cannot be created yet (server down at
+start) is created when the server is reachable; ``run_id`` is None until then.
+
+Always the explicit ``run_id`` with ``MlflowClient``, never the fluent active run: it is
+per-thread, and Prefect runs tasks in threads (STYLE.md rule 7).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ragen_core.config import data_dir
+from ragen_core.tracking.logger import check_metric_names, check_status
+from ragen_core.tracking.outbox import Outbox
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+__all__ = ["MLflowLogger", "default_tracking_uri", "deliver_pending"]
+
+log = logging.getLogger(__name__)
+
+# MLflow's log_batch limits (mlflow.utils.validation.MAX_*_PER_BATCH).
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+
+# MLflow's HTTP defaults are 120 s per request and 7 retries with exponential back-off
+# (minutes per call against a dead server). The outbox is our retry loop, so one short
+# attempt per call is right; set only when the user has not chosen their own values.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+
+
+def default_tracking_uri() -> str:
+    """``$MLFLOW_TRACKING_URI`` when set (a team server), else ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
+
+
+def _is_rejection(exc: Exception) -> bool:
+    """True when the server answered and refused the request (4xx): retrying cannot help.
+
+    Connection errors, timeouts and 5xx surface from MlflowClient as MlflowException with
+    HTTP status 500 (INTERNAL_ERROR) and count as an outage instead.
+    """
+    status = getattr(exc, "get_http_status_code", lambda: 500)()
+    return 400 <= status < 500 and status not in (408, 429)
+
+
+class MLflowLogger:
+    """A MetricLogger backed by MLflow; survives tracking outages without losing entries."""
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        experiment_name: str = "ragen",
+        run_name: str | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        outbox_dir: Path | None = None,
+        retry_interval_s: float = 30.0,
+        *,
+        drain_only: bool = False,
+    ) -> None:
+        """Create the run, or resume ``run_id`` (or the run recorded in ``outbox_dir``).
+
+        ``parent_run_id`` makes this a nested run (sweep trials: tag ``mlflow.parentRunId``).
+        ``outbox_dir`` defaults to ``$RAGEN_DATA_DIR/runs/<run_name or run_id>``.
+        ``drain_only`` opens an existing outbox just to deliver it (see :func:`deliver_pending`):
+        the run is not set back to RUNNING and logging calls raise.
+        """
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        self.tracking_uri = tracking_uri or default_tracking_uri()
+        self.retry_interval_s = retry_interval_s
+        if outbox_dir is None:
+            if not (run_name or run_id):
+                raise ValueError("MLflowLogger needs outbox_dir, run_name or run_id to place its outbox")
+            outbox_dir = data_dir() / "runs" / str(run_name or run_id)
+        self._outbox = Outbox(Path(outbox_dir))
+        known = self._outbox.run_id
+        if run_id and known and run_id != known:
+            raise ValueError(
+                f"outbox {self._outbox.path} belongs to MLflow run {known}, not {run_id}; "
+                "use that run's directory or a fresh outbox_dir"
+            )
+        self._run_id: str | None = run_id or known
+        if self._run_id is not None and known is None:
+            self._outbox.set_run_id(self._run_id)
+        str_tags = {k: str(v) for k, v in (tags or {}).items()}
+        fresh = self._outbox.intent is None
+        if fresh and not drain_only:
+            create_tags = dict(str_tags)
+            if parent_run_id:
+                create_tags["mlflow.parentRunId"] = parent_run_id
+            self._outbox.set_intent({"experiment": experiment_name, "run_name": run_name, "tags": create_tags})
+        # a restart before the run ever existed creates it as first intended
+        self._intent = self._outbox.intent or {"experiment": experiment_name, "run_name": run_name, "tags": {}}
+        self._client: MlflowClient | None = None
+        self._params: dict[str, str] | None = None  # params already on the server (immutable there)
+        self._lock = threading.RLock()
+        self._failing = False
+        self._retry_at = 0.0
+        self._closed = False
+        if (self._run_id is not None or not fresh) and not drain_only:
+            # A resumed run goes back to RUNNING; queued, so it lands in order with the rest.
+            self._outbox.append({"kind": "status", "status": "RUNNING", "ts": _now_ms()})
+            if str_tags:
+                self._outbox.append({"kind": "tags", "tags": str_tags})
+        self._deliver(force=True)
+        self._closed = drain_only
+
+    @property
+    def experiment_name(self) -> str:
+        return str(self._intent["experiment"])
+
+    # ------------------------------------------------------------------ MetricLogger
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run_id
+
+    @property
+    def outbox_path(self) -> Path:
+        return self._outbox.path
+
+    @property
+    def pending_count(self) -> int:
+        """Entries recorded locally but not yet delivered."""
+        return len(self._outbox)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        items = [(k, str(v)) for k, v in params.items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self._record({"kind": "params", "params": dict(items[i : i + MAX_PARAMS_TAGS_PER_BATCH])})
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        items = [(k, str(v)) for k, v in tags.items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self._record({"kind": "tags", "tags": dict(items[i : i + MAX_PARAMS_TAGS_PER_BATCH])})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        check_metric_names(metrics)
+        items = [(k, float(v)) for k, v in metrics.items()]
+        ts = _now_ms()  # taken now, so late delivery keeps the true wall-clock time
+        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+            chunk = dict(items[i : i + MAX_METRICS_PER_BATCH])
+            self._record({"kind": "metrics", "step": int(step), "ts": ts, "values": chunk})
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        # Only the path is queued (a model can be large); it must still exist at delivery.
+        self._record({"kind": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._record({"kind": "text", "text": text, "artifact_file": artifact_file})
+
+    def flush(self) -> None:
+        self._deliver(force=True)
+
+    def close(self, status: str = "FINISHED") -> None:
+        check_status(status)
+        if self._closed:
+            return
+        self._record({"kind": "status", "status": status, "ts": _now_ms()}, deliver=False)
+        self._closed = True
+        if not self._deliver(force=True):
+            log.warning(
+                "MLflow tracking at %s: %d entries are still undelivered; they are kept in %s. "
+                "Deliver them later with ragen_core.tracking.deliver_pending(%r, %r).",
+                self.tracking_uri, len(self._outbox), self._outbox.path,
+                str(self._outbox.directory), self.tracking_uri,
+            )
+
+    # ------------------------------------------------------------------ delivery
+
+    def _record(self, entry: dict[str, Any], deliver: bool = True) -> None:
+        if self._closed:
+            raise RuntimeError("MLflowLogger is closed")
+        with self._lock:
+            self._outbox.append(entry)
+        if deliver:
+            self._deliver(force=False)
+
+    def _deliver(self, force: bool) -> bool:
+        """Try to send all pending entries; never raises. True when nothing is left pending."""
+        with self._lock:
+            if not force and time.monotonic() < self._retry_at:
+                return False
+            try:
+                self._ensure_run()
+                self._send_pending()
+            except Exception as exc:  # noqa: BLE001 -- no tracking failure may stop training
+                self._retry_at = time.monotonic() + self.retry_interval_s
+                if not self._failing:
+                    self._failing = True
+                    log.warning(
+                        "MLflow tracking at %s is unreachable or failing (%s: %s). Training goes on; "
+                        "metrics are kept locally in %s and will be delivered when it is back "
+                        "(next try in %.0f s, and at flush/close).",
+                        self.tracking_uri, type(exc).__name__, _short(exc), self._outbox.path,
+                        self.retry_interval_s,
+                    )
+                return False
+            if self._failing:
+                self._failing = False
+                log.info("MLflow tracking at %s is reachable again; pending entries delivered", self.tracking_uri)
+            return True
+
+    def _ensure_run(self) -> None:
+        if self._client is None:
+            self._client = _make_client(self.tracking_uri)
+        if self._run_id is None:
+            run = self._client.create_run(
+                self._experiment_id(), run_name=self._intent["run_name"], tags=self._intent["tags"]
+            )
+            self._run_id = run.info.run_id
+            self._outbox.set_run_id(self._run_id)
+            self._params = {}
+        elif self._params is None:
+            self._params = dict(self._client.get_run(self._run_id).data.params)
+
+    def _experiment_id(self) -> str:
+        assert self._client is not None
+        exp = self._client.get_experiment_by_name(self.experiment_name)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self._client.create_experiment(
+                self.experiment_name, artifact_location=_artifact_location(self.tracking_uri, self.experiment_name)
+            )
+        except Exception:  # another process created it in between
+            exp = self._client.get_experiment_by_name(self.experiment_name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def _send_pending(self) -> None:
+        entries = self._outbox.pending()
+        i = 0
+        while i < len(entries):
+            n = _batch_length(entries, i)
+            try:
+                self._send(entries[i : i + n])
+            except Exception as exc:
+                if not _is_rejection(exc):
+                    raise
+                if n > 1:  # find the refused entry: send this batch's entries one by one
+                    n = 1
+                    try:
+                        self._send(entries[i : i + 1])
+                    except Exception as exc1:
+                        if not _is_rejection(exc1):
+                            raise
+                        self._reject(exc1)
+                        i += 1
+                        continue
+                else:
+                    self._reject(exc)
+                    i += 1
+                    continue
+            self._outbox.mark_delivered(n)
+            i += n
+
+    def _reject(self, exc: Exception) -> None:
+        self._outbox.reject(1, _short(exc))
+        log.warning(
+            "MLflow tracking at %s refused an entry (%s); it is saved in %s",
+            self.tracking_uri, _short(exc), self._outbox.rejected_path,
+        )
+
+    def _send(self, entries: list[dict[str, Any]]) -> None:
+        """Deliver ``entries`` (one non-batchable entry, or a run of batchable ones fitting one call)."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        client, run_id = self._client, self._run_id
+        assert client is not None and run_id is not None and self._params is not None
+        kind = entries[0]["kind"]
+        if kind in _BATCHABLE:
+            metrics: list[Metric] = []
+            params: dict[str, str] = {}
+            tags: dict[str, str] = {}
+            for e in entries:
+                if e["kind"] == "metrics":
+                    metrics += [Metric(k, v, e["ts"], e["step"]) for k, v in e["values"].items()]
+                elif e["kind"] == "params":
+                    params.update(self._new_params(e["params"]))
+                else:
+                    tags.update(e["tags"])
+            client.log_batch(
+                run_id, metrics=metrics,
+                params=[Param(k, v) for k, v in params.items()],
+                tags=[RunTag(k, v) for k, v in tags.items()],
+            )
+            self._params.update(params)
+        elif kind == "text":
+            client.log_text(run_id, entries[0]["text"], entries[0]["artifact_file"])
+        elif kind == "artifact":
+            path, dest = Path(entries[0]["path"]), entries[0]["artifact_path"]
+            if not path.exists():
+                raise _Refused(f"artifact {path} no longer exists")
+            if path.is_dir():
+                client.log_artifacts(run_id, str(path), dest)
+            else:
+                client.log_artifact(run_id, str(path), dest)
+        elif kind == "status":
+            if entries[0]["status"] == "RUNNING":
+                client.update_run(run_id, status="RUNNING")
+            else:
+                client.set_terminated(run_id, entries[0]["status"], end_time=entries[0]["ts"])
+        else:
+            raise _Refused(f"unknown outbox entry kind {kind!r}")
+
+    def _new_params(self, params: dict[str, str]) -> dict[str, str]:
+        """Params not yet on the server; MLflow params are immutable, so a changed value is skipped."""
+        assert self._params is not None
+        out = {}
+        for k, v in params.items():
+            old = self._params.get(k)
+            if old is None:
+                out[k] = v
+            elif old != v:
+                log.warning("MLflow param %r is already %r on run %s; new value %r not recorded", k, old, self._run_id, v)
+        return out
+
+
+class _Refused(Exception):
+    """A local reason why an entry can never be delivered (treated like a 4xx)."""
+
+    def get_http_status_code(self) -> int:
+        return 400
+
+
+_BATCHABLE = ("metrics", "params", "tags")
+
+
+def _batch_length(entries: list[dict[str, Any]], start: int) -> int:
+    """How many entries from ``start`` go into one request (1 for a non-batchable entry).
+
+    Consecutive metrics/params/tags entries share one log_batch within MLflow's limits.
+    Entries are never split across requests (log_* already chunked them), so a delivered
+    offset always falls on an entry boundary. A param key repeated within a batch ends it,
+    because log_batch refuses duplicate param keys.
+    """
+    if entries[start]["kind"] not in _BATCHABLE:
+        return 1
+    n_metrics = n_params = n_tags = 0
+    param_keys: set[str] = set()
+    end = start
+    while end < len(entries) and entries[end]["kind"] in _BATCHABLE:
+        e = entries[end]
+        m = len(e.get("values", ()))
+        p = len(e.get("params", ()))
+        t = len(e.get("tags", ()))
+        clash = not param_keys.isdisjoint(e.get("params", ()))
+        if end > start and (
+            clash or n_metrics + m > MAX_METRICS_PER_BATCH or n_params + p > MAX_PARAMS_TAGS_PER_BATCH
+            or n_tags + t > MAX_PARAMS_TAGS_PER_BATCH
+        ):
+            break
+        n_metrics, n_params, n_tags = n_metrics + m, n_params + p, n_tags + t
+        param_keys.update(e.get("params", ()))
+        end += 1
+    return end - start
+
+
+def _make_client(tracking_uri: str) -> MlflowClient:
+    from mlflow import MlflowClient
+
+    if tracking_uri.startswith("sqlite:///"):
+        Path(tracking_uri[len("sqlite:///"):]).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _artifact_location(tracking_uri: str, experiment_name: str) -> str | None:
+    """Artifacts of a sqlite store go beside the database, not into the current directory.
+
+    (MLflow's default for a database store is ``./mlruns`` relative to wherever the
+    process happens to start.) A server decides its own artifact location: None.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db = Path(tracking_uri[len("sqlite:///"):]).expanduser().resolve()
+    safe = re.sub(r"[^\w.\-]+", "_", experiment_name)
+    return (db.parent / "mlartifacts" / safe).as_uri()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _short(exc: Exception, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def deliver_pending(outbox_dir: Path, tracking_uri: str | None = None) -> int:
+    """Deliver what a run left in its outbox (e.g. the server was down when it ended).
+
+    Creates the run first if it never existed. Returns how many entries are still
+    pending (0 when everything arrived). The run's final status is the one close() queued.
+    """
+    box = Outbox(Path(outbox_dir))
+    if len(box) == 0:
+        return 0
+    if box.run_id is None and box.intent is None:
+        raise ValueError(f"{box.state_path} says neither which run {box.path} belongs to nor how to create it")
+    logger = MLflowLogger(tracking_uri, outbox_dir=Path(outbox_dir), retry_interval_s=0.0, drain_only=True)
+    return logger.pending_count
