@@ -134,6 +134,11 @@ class TextEnv(gym.Env[str, str]):
                 return name
         return None
 
+    def sample_action(self, rng: np.random.Generator) -> str:
+        """A random action that is valid now (for random agents, tests and benchmarks)."""
+        names = self._action_names()
+        return names[int(rng.integers(len(names)))]
+
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[str, dict[str, Any]]:

@@ -233,6 +233,14 @@ class CountdownEnv(TextEnv):
             return None
         return text.strip()
 
+    def sample_action(self, rng: np.random.Generator) -> str:
+        """A random expression over the given numbers (each once, random order and operators)."""
+        nums = [str(self.numbers[int(i)]) for i in rng.permutation(len(self.numbers))]
+        expr = nums[0]
+        for n in nums[1:]:
+            expr = f"({expr} {'+-*/'[int(rng.integers(4))]} {n})"
+        return expr
+
     def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
         self._problem = generate_problem(rng, self.min_numbers, self.max_numbers, self.max_number,
                                          self.max_target)

@@ -136,6 +136,14 @@ class WebShopEnv(TextEnv):
                 return f"click[{c}]"
         return None
 
+    def sample_action(self, rng: np.random.Generator) -> str:
+        """A random valid action; on the search page, a query of 1-5 words from the instruction."""
+        if self._page == "search":
+            words = tokens(self.goal.instruction) or ["item"]
+            k = int(rng.integers(1, 6))
+            return "search[" + " ".join(words[int(i)] for i in rng.integers(len(words), size=k)) + "]"
+        return super().sample_action(rng)
+
     def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
         self._goal = make_goal(self.catalog, rng)
         self._page, self._query, self._results, self._page_no = "search", "", [], 1
