@@ -21,7 +21,7 @@ import torch
 
 from ragen_core.algos.masked import masked_whiten as whiten
 
-__all__ = ["gae", "grpo", "bilevel_gae", "whiten"]
+__all__ = ["bilevel_gae", "gae", "grpo", "whiten"]
 
 
 def _check_discounts(**factors: float) -> None:
@@ -31,7 +31,12 @@ def _check_discounts(**factors: float) -> None:
 
 
 def _gae_scan(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, resets: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    resets: torch.Tensor,
+    gamma: float,
+    lam: float,
 ) -> torch.Tensor:
     """The GAE recursion A_t = δ_t + γλ·A_next, δ_t = r_t + γ·V_next − V_t, run backwards over dim 1.
 
@@ -108,7 +113,9 @@ def grpo(
     amplified by 1/eps.
     """
     if returns.dim() != 1 or returns.shape != group_ids.shape:
-        raise ValueError(f"returns and group_ids must both be [B]; got {tuple(returns.shape)}, {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"returns and group_ids must both be [B]; got {tuple(returns.shape)}, {tuple(group_ids.shape)}"
+        )
     out_dtype = returns.dtype if returns.is_floating_point() else torch.get_default_dtype()
     x = returns.to(torch.float64)  # [B]; B is small and float64 makes the ~0 std test reliable
     _, group, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)  # [B], [G]
@@ -178,7 +185,9 @@ def bilevel_gae(
     turn_rewards = per_turn.scatter_add(1, idx, torch.where(mask, rewards, 0.0))  # [B, K]
     turn_values = per_turn.scatter_add(1, idx, torch.where(ends, values, 0.0))  # [B, K], one end per turn
     turn_mask = torch.arange(k_max, device=mask.device) < n_turns[:, None]  # [B, K]
-    turn_adv = _gae_scan(turn_rewards, turn_values, turn_mask, torch.zeros_like(turn_mask), turn_gamma, turn_lam)
+    turn_adv = _gae_scan(
+        turn_rewards, turn_values, turn_mask, torch.zeros_like(turn_mask), turn_gamma, turn_lam
+    )
     turn_returns = turn_adv + turn_values  # [B, K]
     end_rewards = torch.where(ends, turn_returns.gather(1, idx), 0.0)  # [B, T] G_k on e_k
     advantages = _gae_scan(end_rewards, values, mask, ends, gamma, lam)  # [B, T]

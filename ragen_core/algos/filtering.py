@@ -44,7 +44,10 @@ def _lowest_std_first(std: torch.Tensor) -> torch.Tensor:
     return torch.sort(std, stable=True).indices
 
 
-_ORDERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"std": _highest_std_first, "std_rev": _lowest_std_first}
+_ORDERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "std": _highest_std_first,
+    "std_rev": _lowest_std_first,
+}
 
 
 def n_kept(n_groups: int, keep_ratio: float) -> int:
@@ -52,7 +55,9 @@ def n_kept(n_groups: int, keep_ratio: float) -> int:
     return max(1, math.floor(keep_ratio * n_groups + _ROUNDING_SLACK))
 
 
-def uncertainty_filter(returns_by_group: torch.Tensor, keep_ratio: float, mode: FilterMode = "std") -> torch.Tensor:
+def uncertainty_filter(
+    returns_by_group: torch.Tensor, keep_ratio: float, mode: FilterMode = "std"
+) -> torch.Tensor:
     """Indices of the prompt groups to train on. returns_by_group: [P, N] float -> [K] long, ascending.
 
     mode "std" keeps the K = max(1, floor(keep_ratio × P)) groups with the
@@ -81,7 +86,9 @@ def uncertainty_filter(returns_by_group: torch.Tensor, keep_ratio: float, mode: 
     return order[: n_kept(n_groups, keep_ratio)].sort().values.to(torch.long)  # [K] ascending
 
 
-def group_matrix(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_matrix(
+    values: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Arrange per-trajectory values into groups. values: [B], group_ids: [B] -> ([P, N], [P], [P, N]).
 
     Returns (values_by_group, group_keys, rows): group p is ``group_keys[p]``
@@ -91,7 +98,9 @@ def group_matrix(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.T
     same size N.
     """
     if values.dim() != 1 or values.shape != group_ids.shape:
-        raise ValueError(f"values and group_ids must both be [B]; got {tuple(values.shape)}, {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"values and group_ids must both be [B]; got {tuple(values.shape)}, {tuple(group_ids.shape)}"
+        )
     if values.numel() == 0:
         raise ValueError("cannot group an empty batch")
     keys, counts = torch.unique(group_ids, return_counts=True)  # [P], [P]

@@ -49,7 +49,9 @@ def _rows_with_tokens(mask: torch.Tensor) -> torch.Tensor:
     return mask.bool().any(dim=1).sum().to(torch.get_default_dtype())
 
 
-def seq_mean_token_sum(losses: torch.Tensor, mask: torch.Tensor, normaliser: float | None = None) -> torch.Tensor:
+def seq_mean_token_sum(
+    losses: torch.Tensor, mask: torch.Tensor, normaliser: float | None = None
+) -> torch.Tensor:
     """Mean over rows of each row's summed token losses (or sum over rows / ``normaliser``).
 
     losses: [B, T], mask: [B, T] bool -> 0-dim. Rows without loss tokens are not
@@ -60,7 +62,9 @@ def seq_mean_token_sum(losses: torch.Tensor, mask: torch.Tensor, normaliser: flo
     return per_row.sum() / count
 
 
-def seq_mean_token_mean(losses: torch.Tensor, mask: torch.Tensor, normaliser: float | None = None) -> torch.Tensor:
+def seq_mean_token_mean(
+    losses: torch.Tensor, mask: torch.Tensor, normaliser: float | None = None
+) -> torch.Tensor:
     """Mean over rows of each row's mean token loss (or sum over rows / ``normaliser``).
 
     losses: [B, T], mask: [B, T] bool -> 0-dim. Rows without loss tokens contribute
@@ -106,6 +110,13 @@ def _ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> tuple[torch.Te
     return logratio, logratio.exp()
 
 
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    """Refuse silently-broadcasting inputs, e.g. [B] advantages against [B, T] log-probs."""
+    shapes = {name: tuple(x.shape) for name, x in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"expected equal [B, T] shapes; got {shapes}")
+
+
 def _check_clips(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
     if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
@@ -133,6 +144,8 @@ def policy_loss(
     and for A < 0 additionally L = min(L, −A·dual_clip), which bounds the loss
     (and zeroes the gradient) of a token whose ratio ran far above 1. ``dual_clip``
     None turns it off. L is reduced with ``AGGREGATIONS[agg]`` and ``normaliser``.
+    The log ratio is clamped to ±20 before exp (no gradient beyond). Pass
+    advantages detached; [B] advantages must be broadcast to [B, T] first.
     stats (0-dim detached tensors, token means over mask):
       clipfrac_upper  A > 0 and r > 1 + clip_high (upper clip binds)
       clipfrac_lower  A < 0 and r < 1 − clip_low (lower clip binds)
@@ -140,6 +153,7 @@ def policy_loss(
       approx_kl       k3 estimate of KL(rollout ‖ current): (r − 1) − log r
       n_tokens        number of masked tokens
     """
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     _check_clips(clip_low, clip_high, dual_clip)
     reduce = _aggregation(agg)
     logratio, ratio = _ratio(logprobs, old_logprobs)  # [B, T]
@@ -180,6 +194,7 @@ def value_loss(
     term is the larger one), value_error (mean squared error of the unclipped
     values), n_tokens.
     """
+    _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     reduce = _aggregation(agg)
     err = (values - returns) ** 2  # [B, T]
     if clip_range is None:

@@ -219,7 +219,11 @@ def test_grpo_rejects_mismatched_shapes() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, 0.25, 1.0, -0.1, 10.0])), min_size=1, max_size=12))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from([0.0, 0.25, 1.0, -0.1, 10.0])), min_size=1, max_size=12
+    )
+)
 def test_grpo_matches_plain_loop(pairs) -> None:
     ids = [g * 7 for g, _ in pairs]  # non-contiguous ids
     rets = [r for _, r in pairs]
@@ -246,7 +250,9 @@ def test_bilevel_golden_three_turns_with_a_zero_reward_turn() -> None:
     #   pos7: 1.0 − 0.6 = 0.4;  pos6: δ = 0.9·0.6 − 0.5 = 0.04, A = 0.04 + 0.72·0.4 = 0.328
     #   pos4: 0.42 − 0.4 = 0.02
     #   pos2: 0.706 − 0.3 = 0.406; pos1: δ = 0.9·0.3 − 0.2 = 0.07, A = 0.07 + 0.72·0.406 = 0.36232
-    a, r = advantages.bilevel_gae(rewards, values, mask, ends, gamma=0.9, lam=0.8, turn_gamma=0.5, turn_lam=0.6)
+    a, r = advantages.bilevel_gae(
+        rewards, values, mask, ends, gamma=0.9, lam=0.8, turn_gamma=0.5, turn_lam=0.6
+    )
     torch.testing.assert_close(a, t([[0, 0.36232, 0.406, 0, 0.02, 0, 0.328, 0.4, 0]]))
     torch.testing.assert_close(r, t([[0, 0.56232, 0.706, 0, 0.42, 0, 0.828, 1.0, 0]]))
 

@@ -41,7 +41,9 @@ CLIP_REGIMES = [
 
 
 @pytest.mark.parametrize(("adv", "ratio", "loss", "grad", "flag"), CLIP_REGIMES)
-def test_policy_loss_each_clip_regime(adv: float, ratio: float, loss: float, grad: float, flag: str | None) -> None:
+def test_policy_loss_each_clip_regime(
+    adv: float, ratio: float, loss: float, grad: float, flag: str | None
+) -> None:
     got_loss, got_grad, stats = one_token(adv, ratio, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     assert got_loss == pytest.approx(loss)
     assert got_grad == pytest.approx(grad)
@@ -67,6 +69,13 @@ def test_policy_loss_rejects_bad_settings() -> None:
         one_token(1.0, 1.0, clip_low=1.0)
     with pytest.raises(ValueError, match="aggregation"):
         one_token(1.0, 1.0, agg="sum")
+    with pytest.raises(ValueError, match="shapes"):  # [B] advantages must be broadcast by the caller
+        z = torch.zeros(2, 3)
+        losses.policy_loss(z, z, torch.zeros(2), z.bool())
+    with pytest.raises(ValueError, match="shapes"):
+        losses.value_loss(
+            torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3, dtype=torch.bool)
+        )
 
 
 def test_policy_loss_stats_are_token_means_over_the_mask() -> None:
@@ -144,7 +153,9 @@ def test_kl_estimators_golden() -> None:
     ref = torch.tensor([[math.log(0.25), math.log(0.5)]], dtype=F64)
     ln2 = math.log(2)
     torch.testing.assert_close(losses.kl_penalty(logp, ref, "k1"), torch.tensor([[ln2, -ln2]], dtype=F64))
-    torch.testing.assert_close(losses.kl_penalty(logp, ref, "k3"), torch.tensor([[ln2 - 0.5, 1 - ln2]], dtype=F64))
+    torch.testing.assert_close(
+        losses.kl_penalty(logp, ref, "k3"), torch.tensor([[ln2 - 0.5, 1 - ln2]], dtype=F64)
+    )
     assert losses.kl_penalty(logp, logp, "k3").abs().max().item() == 0.0
     with pytest.raises(ValueError, match="k2"):
         losses.kl_penalty(logp, ref, "k2")
@@ -189,7 +200,11 @@ def test_no_argument_mutated() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 4, 5, generator=g)
     labels = torch.randint(0, 5, (2, 4), generator=g)
-    lp, old, adv = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    lp, old, adv = (
+        torch.randn(2, 4, generator=g),
+        torch.randn(2, 4, generator=g),
+        torch.randn(2, 4, generator=g),
+    )
     mask = torch.rand(2, 4, generator=g) > 0.3
     inputs = (logits, labels, lp, old, adv, mask)
     copies = [x.clone() for x in inputs]

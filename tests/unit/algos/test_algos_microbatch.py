@@ -51,13 +51,17 @@ def total_loss(model: TinyLM, batch: dict[str, torch.Tensor], rows: list[int], a
     mb = {k: v[rows] for k, v in batch.items()}
     logits, values = model(mb["ids"])
     logprobs = losses.logprobs_from_logits(logits, mb["labels"])
-    pg, _ = losses.policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["mask"], agg=agg, normaliser=norm)
+    pg, _ = losses.policy_loss(
+        logprobs, mb["old_logprobs"], mb["advantages"], mb["mask"], agg=agg, normaliser=norm
+    )
     entropy = losses.AGGREGATIONS[agg](losses.entropy_from_logits(logits), mb["mask"], norm)
     vf, _ = losses.value_loss(values, mb["old_values"], mb["returns"], mb["mask"], agg=agg, normaliser=norm)
     return pg - 0.001 * entropy + vf
 
 
-def grads(batch, splits: list[list[int]], agg: str, norm: float | None, average: bool = False) -> torch.Tensor:
+def grads(
+    batch, splits: list[list[int]], agg: str, norm: float | None, average: bool = False
+) -> torch.Tensor:
     torch.manual_seed(1)
     model = TinyLM()
     for rows in splits:
