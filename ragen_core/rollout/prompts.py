@@ -35,8 +35,8 @@ def instruction_block(
     """Env rules, symbol legend, action list and the per-turn action budget (SPEC §3, first user message).
 
     The legend is always printed from ``env.legend``, so renamed symbols (SokobanNewVocab) reach the
-    prompt (the reference forgot this, SPEC §2). Free-form envs list their currently available
-    actions in every turn instead (they change with the state).
+    prompt (the reference forgot this, SPEC §2). Free-form envs (WebShop, Countdown) get no action
+    list: their actions are text whose form the instruction and each observation describe.
     """
     parts = [instruction.strip()]
     if legend:
@@ -62,7 +62,6 @@ def turn_text(
     max_new_tokens: int,
     prev_reward: float | None = None,
     prev_penalty: float = 0.0,
-    available_actions: Sequence[str] | None = None,
 ) -> str:
     """The user message of turn ``turn_index`` (0-based; shown as ``Turn k:`` with k = index + 1).
 
@@ -77,8 +76,6 @@ def turn_text(
                       fmt_reward(prev_penalty)]
         lines.append("")
     lines += [f"Turn {turn_index + 1}:", "State:", observation.rstrip("\n")]
-    if available_actions:
-        lines.append("Available actions: " + ", ".join(available_actions))
     fmt = FORMAT_THINK if think else FORMAT_NOTHINK
     lines.append(
         f"You have {actions_left} actions left. Always output: {fmt} with no extra text. "

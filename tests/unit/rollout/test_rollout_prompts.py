@@ -31,10 +31,9 @@ def test_turn_text_first_and_later_turns() -> None:
         "You have 10 actions left. Always output: <think> [your thoughts] </think> <answer> [your answer] </answer> "
         "with no extra text. Strictly follow this format. Max response length: 128 tokens."
     )
-    later = turn_text(2, "#_P#", 4, think=False, max_new_tokens=64, prev_reward=0.9, prev_penalty=-0.1,
-                      available_actions=["click[a]"])
+    later = turn_text(2, "#_P#", 4, think=False, max_new_tokens=64, prev_reward=0.9, prev_penalty=-0.1)
     assert later.startswith("Reward:\n0.9\nFormat penalty")
-    assert "\n-0.1\n\nTurn 3:\nState:\n#_P#\nAvailable actions: click[a]\nYou have 4 actions left." in later
+    assert "\n-0.1\n\nTurn 3:\nState:\n#_P#\nYou have 4 actions left." in later
     assert "<answer> [your answer] </answer>" in later and "<think>" not in later
 
 

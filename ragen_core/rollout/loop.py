@@ -1,0 +1,265 @@
+"""The multi-turn rollout loop (SPEC §3, §5): P prompt groups × N responses, all live episodes in lock-step.
+
+    from ragen_core.rollout import run_rollouts
+    trajs = run_rollouts(cfg.env, generator, tokenizer, cfg.rollout, seeds=[11, 12], n_per_group=4)
+
+Each of the P seeds is a prompt group; its N members reset their own env instance with that seed,
+so they share the initial state (layout), but each member m draws its own stream of stochastic
+outcomes (bandit payouts, ice slips) via ``reset(seed=seed, options={"dynamics_seed": m})``:
+deterministic given (seed, m), independent across members, so in-group reward differences come
+from the policy and from luck, never from shared luck (SPEC §4 uses their std).
+
+Every turn, the contexts of all live episodes go to ONE ``generator.generate`` call (with one
+session id per episode, so a backend can keep each episode's KV cache; sessions end with their
+episodes). Per reply (SPEC §3):
+
+* parse it (``parse.parse_response``), match each action with ``env.match_action``
+  (case-insensitive; free-form envs judge their own text);
+* run the recognised actions in order until the episode ends; unknown ones are skipped;
+  the turn's reward is the sum of the env rewards;
+* format penalty (``format_penalty``, −0.1) when the reply does not parse, has no recognised
+  action, or names an unknown action; otherwise the optional ``format_reward`` credit. It is
+  stored in ``Turn.penalty`` and adds to ``Trajectory.total_return``;
+* the episode ends when the env is done (terminated or its own truncation), when
+  ``max_actions_per_episode`` actions have run, or after ``max_turns`` turns (truncated).
+  If even the instruction and the newest turn no longer fit the context, it ends truncated
+  with ``meta["context_overflow"] = True`` (never a crash).
+
+Each Turn stores its prompt delta and the exact sampled ids and log-probs, and ``Trajectory.meta``
+holds the texts the renderer needs to re-render a head (``instruction``, ``user_texts``), so
+``batch.build_token_batch`` rebuilds the training row exactly, also after a Parquet round trip.
+
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_loop.py -q``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ragen_core.rollout.chat import ChatRenderer, RenderedSequence
+from ragen_core.rollout.context import HeadCache, render_dialogue
+from ragen_core.rollout.parse import match_actions, parse_response
+from ragen_core.rollout.prompts import first_user_text, instruction_block, turn_text
+from ragen_core.types import Trajectory, Turn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ragen_core.config import EnvConfig, RolloutConfig
+    from ragen_core.envs.base import TextEnv
+    from ragen_core.rollout.generators.base import Generation, Generator
+
+__all__ = ["Progress", "context_limit", "run_rollouts"]
+
+Progress = Callable[[int, int], None]
+"""Called after every turn with (finished episodes, all episodes)."""
+
+# tokenizer.model_max_length is a huge sentinel (1e30) when a tokenizer does not know its model's limit.
+_NO_LIMIT = 1_000_000
+
+
+def context_limit(rollout_cfg: RolloutConfig, model_max_length: int | None = None,
+                  tokenizer: PreTrainedTokenizerBase | None = None) -> int | None:
+    """Most tokens a context may hold: rollout.max_context_tokens, else the model's limit, else None.
+
+    Pass ``model.config.max_position_embeddings`` as ``model_max_length``; the tokenizer's
+    ``model_max_length`` is the fallback when it is a real number.
+    """
+    if rollout_cfg.max_context_tokens is not None:
+        return int(rollout_cfg.max_context_tokens)
+    if model_max_length is not None:
+        return int(model_max_length)
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    return int(tok_max) if isinstance(tok_max, int) and 0 < tok_max < _NO_LIMIT else None
+
+
+@dataclass
+class _Episode:
+    """Mutable per-episode state while the loop runs (private; the result is a frozen Trajectory)."""
+
+    group_id: int
+    member: int
+    seed: int
+    env: TextEnv
+    block: str
+    session: Hashable
+    obs: str
+    turns: list[Turn] = field(default_factory=list)
+    prompts: list[tuple[int, ...]] = field(default_factory=list)
+    user_texts: list[str] = field(default_factory=list)
+    named: list[int] = field(default_factory=list)
+    unknown: list[int] = field(default_factory=list)
+    heads: HeadCache = field(default_factory=dict)
+    actions_used: int = 0
+    start: int = 0
+    success: bool = False
+    terminated: bool = False
+    truncated: bool = False
+    overflow: bool = False
+    done: bool = False
+
+
+def run_rollouts(
+    env_cfg: EnvConfig,
+    generator: Generator,
+    tokenizer: PreTrainedTokenizerBase,
+    rollout_cfg: RolloutConfig,
+    seeds: Sequence[int],
+    n_per_group: int,
+    temperature: float | None = None,
+    *,
+    group_offset: int = 0,
+    sampling_seed: int | None = None,
+    model_max_length: int | None = None,
+    renderer: ChatRenderer | None = None,
+    progress: Progress | None = None,
+) -> list[Trajectory]:
+    """Play ``len(seeds)`` groups × ``n_per_group`` episodes; trajectories in (group, member) order.
+
+    ``temperature`` defaults to ``rollout_cfg.temperature``; ``group_id`` of seed i is
+    ``group_offset + i``; ``sampling_seed`` makes sampling reproducible (per-turn seeds derived
+    from it); ``model_max_length`` feeds :func:`context_limit`.
+    """
+    from ragen_core.rollout.generators.base import SamplingParams
+
+    if n_per_group < 1:
+        raise ValueError(f"n_per_group must be >= 1, got {n_per_group}")
+    renderer = renderer or ChatRenderer(tokenizer, rollout_cfg.system_prompt)
+    limit = context_limit(rollout_cfg, model_max_length, tokenizer)
+    budget = None if limit is None else limit - rollout_cfg.max_new_tokens
+    if budget is not None and budget <= 0:
+        raise ValueError(f"context limit {limit} leaves no room for prompts after max_new_tokens="
+                         f"{rollout_cfg.max_new_tokens}; raise rollout.max_context_tokens or lower max_new_tokens")
+    run_id = uuid.uuid4().hex
+    episodes = [
+        _new_episode(env_cfg, seed, group_offset + g, m, (run_id, g, m))
+        for g, seed in enumerate(seeds) for m in range(n_per_group)
+    ]
+    for ep in episodes:
+        ep.block = instruction_block(ep.env.instruction, ep.env.legend, ep.env.action_names,
+                                     rollout_cfg.max_actions_per_turn, free_form=ep.env.free_form_actions)
+    temp = rollout_cfg.temperature if temperature is None else float(temperature)
+    for turn in range(rollout_cfg.max_turns):
+        live = [ep for ep in episodes if not ep.done]
+        contexts = [_next_context(ep, renderer, rollout_cfg, budget) for ep in live]
+        rows = [(ep, ctx) for ep, ctx in zip(live, contexts) if ctx is not None]
+        _end_sessions(generator, [ep for ep, ctx in zip(live, contexts) if ctx is None])
+        if rows:
+            params = SamplingParams(temperature=temp, top_p=rollout_cfg.top_p,
+                                    max_new_tokens=rollout_cfg.max_new_tokens,
+                                    stop_token_ids=renderer.stop_token_ids, seed=_turn_seed(sampling_seed, turn))
+            gens = generator.generate([ctx.input_ids for _, ctx in rows], params,
+                                      session_ids=[ep.session for ep, _ in rows])
+            for (ep, _), gen in zip(rows, gens):
+                _apply_reply(ep, gen, renderer, rollout_cfg)
+            _end_sessions(generator, [ep for ep, _ in rows if ep.done])
+        if progress is not None:
+            progress(sum(ep.done for ep in episodes), len(episodes))
+    return [_finish(ep, env_cfg, rollout_cfg) for ep in episodes]
+
+
+def _new_episode(env_cfg: EnvConfig, seed: int, group_id: int, member: int, session: Hashable) -> _Episode:
+    from ragen_core.envs import make
+
+    env = make(env_cfg.name, **dict(env_cfg.params))
+    # Same layout for the whole group, own luck per member (module docstring).
+    obs, _ = env.reset(seed=int(seed), options={"dynamics_seed": member})
+    return _Episode(group_id=group_id, member=member, seed=int(seed), env=env, block="", session=session, obs=obs)
+
+
+def _turn_seed(sampling_seed: int | None, turn: int) -> int | None:
+    if sampling_seed is None:
+        return None
+    return int(np.random.SeedSequence([int(sampling_seed), turn]).generate_state(1)[0])
+
+
+def _next_context(ep: _Episode, renderer: ChatRenderer, cfg: RolloutConfig, budget: int | None) -> RenderedSequence | None:
+    """Append this turn's user message and return the guarded context, or None (episode ends)."""
+    j = len(ep.turns)
+    prev = ep.turns[-1] if ep.turns else None
+    text = turn_text(
+        j, ep.obs, cfg.max_actions_per_episode - ep.actions_used, think=cfg.think,
+        max_new_tokens=cfg.max_new_tokens,
+        prev_reward=None if prev is None else prev.reward,
+        prev_penalty=0.0 if prev is None or prev.parse_ok else prev.penalty,
+    )
+    prompt = (renderer.head_ids(first_user_text(ep.block, text)) if prev is None
+              else renderer.transition_ids(prev.response_ids, text))
+    ctx = render_dialogue(
+        renderer, ep.prompts + [prompt], [t.response_ids for t in ep.turns], [t.logprobs for t in ep.turns],
+        block=ep.block, user_texts=ep.user_texts + [text], budget=budget,
+        window_turns=cfg.window_turns, min_start=ep.start, heads=ep.heads,
+    )
+    if ctx is None:
+        if j == 0:
+            raise ValueError(
+                f"the first prompt ({len(prompt)} tokens) does not fit the context budget {budget} "
+                f"(context limit minus max_new_tokens={cfg.max_new_tokens}); raise rollout.max_context_tokens "
+                "or lower rollout.max_new_tokens"
+            )
+        ep.overflow = ep.truncated = ep.done = True
+        return None
+    ep.prompts.append(prompt)
+    ep.user_texts.append(text)
+    ep.start = ctx.start_turn
+    return ctx
+
+
+def _apply_reply(ep: _Episode, gen: Generation, renderer: ChatRenderer, cfg: RolloutConfig) -> None:
+    """Parse one reply, run its actions, record the Turn and decide whether the episode ends."""
+    text = renderer.decode_reply(gen.token_ids)
+    parsed = parse_response(text, think=cfg.think, max_actions=cfg.max_actions_per_turn)
+    matched = match_actions(parsed.actions, ep.env.match_action)
+    obs_before, reward, executed, effective = ep.obs, 0.0, [], 0
+    for action in matched.valid:
+        if ep.actions_used >= cfg.max_actions_per_episode or ep.terminated or ep.truncated:
+            break
+        ep.obs, r, terminated, truncated, info = ep.env.step(action)
+        ep.actions_used += 1
+        reward += float(r)
+        executed.append(action)
+        effective += bool(info.get("action_is_effective", False))
+        ep.success = ep.success or bool(info.get("success", False))
+        ep.terminated, ep.truncated = bool(terminated), bool(truncated) and not terminated
+    ok = parsed.ok and not matched.unknown and bool(matched.valid)
+    ep.turns.append(Turn(
+        observation=obs_before, prompt_ids=ep.prompts[-1], response_ids=tuple(int(i) for i in gen.token_ids),
+        logprobs=tuple(float(x) for x in gen.logprobs), response_text=text, actions=tuple(executed),
+        reward=reward, penalty=cfg.format_reward if ok else cfg.format_penalty, parse_ok=ok,
+        finish_reason=gen.finish_reason, think_tokens=renderer.count_tokens(parsed.think) if cfg.think else 0,
+        n_effective_actions=effective,
+    ))
+    ep.named.append(len(parsed.actions))
+    ep.unknown.append(len(matched.unknown))
+    out_of_budget = ep.actions_used >= cfg.max_actions_per_episode or len(ep.turns) >= cfg.max_turns
+    if not ep.terminated and out_of_budget:
+        ep.truncated = True
+    ep.done = ep.terminated or ep.truncated
+
+
+def _end_sessions(generator: Generator, ended: Sequence[_Episode]) -> None:
+    if ended:
+        generator.end_sessions([ep.session for ep in ended])
+
+
+def _finish(ep: _Episode, env_cfg: EnvConfig, cfg: RolloutConfig) -> Trajectory:
+    meta: dict[str, Any] = {
+        "env_name": env_cfg.name,
+        "member": ep.member,
+        "dynamics_seed": ep.member,
+        "system_prompt": cfg.system_prompt,
+        "instruction": ep.block,
+        "user_texts": list(ep.user_texts[: len(ep.turns)]),
+        "named_actions": list(ep.named),
+        "unknown_actions": list(ep.unknown),
+        "context_overflow": ep.overflow,
+    }
+    return Trajectory(
+        env_tag=env_cfg.label, seed=ep.seed, group_id=ep.group_id, turns=tuple(ep.turns), success=ep.success,
+        terminated=ep.terminated, truncated=ep.truncated and not ep.terminated, dropped_turns=ep.start, meta=meta,
+    )
