@@ -1,0 +1,118 @@
+"""Chunked log-probs/entropy equal the full-logits computation, in value and gradient.
+
+Run with ``python -m pytest tests/unit/trainer/test_trainer_forward.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragen_core.models import tiny_random
+from ragen_core.trainer.forward import (
+    chunked_logprobs,
+    decoder_and_head,
+    hidden_states,
+    policy_forward,
+    shift_values,
+)
+
+
+def _full_reference(model, ids, attn, temperature):
+    """The plain way: the whole [B, T, V] logits from model(), then log_softmax and entropy."""
+    logits = model(input_ids=ids, attention_mask=attn.long()).logits.float() / temperature  # [B, T, V]
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # [B, T-1, V]
+    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    zero = torch.zeros(ids.shape[0], 1)
+    return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_equals_full_logits_values_and_grads(chunk: int, temperature: float) -> None:
+    model, _ = tiny_random(0)
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 500, (3, 11), generator=g)
+    attn = torch.ones(3, 11, dtype=torch.bool)
+    attn[1, 8:] = False  # a right-padded row
+    weights = torch.randn(3, 11, generator=g)  # an arbitrary downstream loss mixing both outputs
+
+    lp_ref, ent_ref = _full_reference(model, ids, attn, temperature)
+    ((lp_ref * weights).sum() + (ent_ref * weights).sum()).backward()
+    grads_ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    out = policy_forward(model, ids, attn, temperature=temperature, chunk=chunk)
+    ((out.logprobs * weights).sum() + (out.entropy * weights).sum()).backward()
+    torch.testing.assert_close(out.logprobs, lp_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.entropy, ent_ref, atol=1e-6, rtol=1e-6)
+    for p, g_ref in zip(model.parameters(), grads_ref):
+        # Values agree to 1e-6; gradients to float32 summation noise: the chunked backward sums the
+        # output-layer gradient chunk by chunk, the plain one in one matmul (~1e-7 relative per term).
+        scale = float(g_ref.abs().max()) + 1e-12
+        assert float((p.grad - g_ref).abs().max()) <= 1e-5 * scale
+
+
+def test_alignment_position_zero_and_next_token() -> None:
+    # logprobs[:, t] must score input_ids[:, t] from position t-1 (ragen_core.types convention).
+    model, _ = tiny_random(0)
+    ids = torch.tensor([[5, 9, 13, 2]])
+    attn = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        out = policy_forward(model, ids, attn, chunk=2)
+        logits = model(input_ids=ids).logits
+    assert out.logprobs[0, 0] == 0 and out.entropy[0, 0] == 0
+    expected = torch.log_softmax(logits[0, 1], -1)[13]  # token at t=2 predicted from t=1
+    torch.testing.assert_close(out.logprobs[0, 2], expected, atol=1e-6, rtol=0)
+
+
+def test_entropy_grad_false_detaches_entropy_only() -> None:
+    model, _ = tiny_random(0)
+    ids = torch.randint(0, 300, (2, 6))
+    out = policy_forward(model, ids, torch.ones_like(ids, dtype=torch.bool), chunk=2, entropy_grad=False)
+    assert out.logprobs.requires_grad and not out.entropy.requires_grad
+
+
+def test_no_grad_pass_has_no_graph_and_same_values() -> None:
+    model, _ = tiny_random(0)
+    ids = torch.randint(0, 300, (2, 9))
+    attn = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        a = policy_forward(model, ids, attn, chunk=3)
+    b = policy_forward(model, ids, attn, chunk=3)
+    assert not a.logprobs.requires_grad
+    assert torch.equal(a.logprobs, b.logprobs.detach())
+
+
+def test_decoder_and_head_see_through_lora() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny_random(0)
+    decoder, head = decoder_and_head(model)
+    ids = torch.randint(0, 300, (1, 5))
+    attn = torch.ones_like(ids, dtype=torch.bool)
+    h0 = hidden_states(decoder, ids, attn)
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=2, target_modules="all-linear"))
+    d2, h2 = decoder_and_head(peft_model)
+    assert h2 is head  # the output layer is not adapted; the decoder carries the adapters
+    # LoRA B starts at zero, so the adapted decoder gives the same hidden states at first.
+    torch.testing.assert_close(hidden_states(d2, ids, attn), h0)
+
+
+def test_shift_values() -> None:
+    per_state = torch.tensor([[1.0, 2.0, 3.0]])
+    assert torch.equal(shift_values(per_state), torch.tensor([[0.0, 1.0, 2.0]]))
+
+
+def test_chunked_logprobs_uses_one_chunk_without_checkpoint_when_it_fits() -> None:
+    # With a single chunk nothing is recomputed; the result still matches the multi-chunk path.
+    model, _ = tiny_random(0)
+    ids = torch.randint(0, 300, (2, 7))
+    decoder, head = decoder_and_head(model)
+    hidden = hidden_states(decoder, ids, torch.ones_like(ids, dtype=torch.bool))
+    one = chunked_logprobs(hidden, ids, head, chunk=100)
+    many = chunked_logprobs(hidden, ids, head, chunk=2)
+    torch.testing.assert_close(one[0], many[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(one[1], many[1], atol=1e-6, rtol=0)

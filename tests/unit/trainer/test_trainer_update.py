@@ -1,0 +1,221 @@
+"""The real update() on the tiny model: presets, LoRA, value head, reference only with KL,
+micro-batch invariance, exact whole-mini-batch gradients, Online-k, and filter_batch.
+
+Run with ``python -m pytest tests/unit/trainer/test_trainer_update.py -q``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_batch, make_cfg
+
+from ragen_core.algos import losses
+from ragen_core.trainer import filter_batch, init_state, update
+from ragen_core.trainer.forward import decoder_and_head, policy_forward
+
+EXPECTED_KEYS = {
+    "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/clipfrac_upper", "actor/clipfrac_lower",
+    "actor/approx_kl", "actor/lr", "actor/advantages_mean", "actor/advantages_std", "actor/advantages_max",
+    "actor/advantages_min", "response/length_mean", "timing/update_s", "perf/update_tokens_per_s",
+}
+CRITIC_KEYS = {"critic/value_loss", "critic/explained_var", "critic/vf_clipfrac", "critic/values_mean",
+               "critic/returns_mean"}
+
+
+def _params(*modules) -> list[torch.Tensor]:
+    return [p.detach().clone() for m in modules if m is not None for p in m.parameters() if p.requires_grad]
+
+
+def _capture_grads(engine) -> list[list[torch.Tensor]]:
+    """Record the accumulated gradients each time ``engine.step()`` is called (before it clips and steps)."""
+    seen: list[list[torch.Tensor]] = []
+    original = engine.step
+
+    def step() -> float:
+        seen.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in engine.params])
+        return original()
+
+    engine.step = step
+    return seen
+
+
+def _count_calls(module: torch.nn.Module) -> list[int]:
+    calls = [0]
+    module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "critic_kind", "has_ref"),
+    [
+        ("starpo", [], "separate", True),
+        ("starpo-s", [], "separate", False),
+        ("grpo", [], None, True),
+        ("starpo", ["model.lora_rank=4"], "separate", False),  # LoRA: reference = adapters disabled, no copy
+        ("starpo", ["algorithm.critic=head"], "head", True),
+        ("starpo-s", ["model.gradient_checkpointing=true"], "separate", False),
+        ("starpo", ["algorithm.estimator=bilevel_gae", "algorithm.kl_in_reward=true"], "separate", True),
+    ],
+)
+def test_update_runs_for_each_configuration(preset, overrides, critic_kind, has_ref) -> None:
+    cfg = make_cfg(preset, *overrides)
+    state = init_state(cfg)
+    assert (state.models.ref is not None) == has_ref
+    assert (state.models.critic is not None) == (critic_kind == "separate")
+    assert (state.models.value_head is not None) == (critic_kind == "head")
+    before = _params(state.models.actor, state.models.critic, state.models.value_head)
+    stats = update(state, make_batch(), cfg, think_tokens=[3.0] * 8)
+    after = _params(state.models.actor, state.models.critic, state.models.value_head)
+    assert stats.optimizer_steps == 1
+    assert EXPECTED_KEYS <= stats.metrics.keys()
+    if critic_kind is not None:
+        assert CRITIC_KEYS <= stats.metrics.keys()
+    assert stats.metrics["response/think_length_mean"] == 3.0
+    assert all(math.isfinite(v) for v in stats.metrics.values())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))  # something was trained
+    if "model.lora_rank=4" in overrides:
+        assert stats.metrics["actor/lr"] == pytest.approx(cfg.trainer.actor_lr * cfg.trainer.lora_lr_multiplier)
+
+
+def test_no_reference_model_and_no_reference_pass_when_kl_is_zero() -> None:
+    # starpo-s: kl_coef 0 -> no reference copy, and the actor's decoder runs exactly once per
+    # micro-batch (the update's own forward), never for reference log-probs.
+    cfg = make_cfg("starpo-s", "trainer.micro_batch_size=2")
+    state = init_state(cfg)
+    assert state.models.ref is None and not state.models.use_reference
+    calls = _count_calls(decoder_and_head(state.models.actor)[0])
+    update(state, make_batch(), cfg)
+    assert calls[0] == 8 // 2
+
+
+def test_reference_pass_is_counted_when_kl_is_on_with_lora() -> None:
+    # The control for the test above: with KL on under LoRA, the same decoder also runs (adapters
+    # disabled) once per micro-batch for the reference log-probs.
+    cfg = make_cfg("starpo", "model.lora_rank=4", "trainer.micro_batch_size=2")
+    state = init_state(cfg)
+    assert state.models.ref is None and state.models.use_reference
+    calls = _count_calls(decoder_and_head(state.models.actor)[0])
+    update(state, make_batch(), cfg)
+    assert calls[0] == 2 * (8 // 2)
+
+
+@pytest.mark.parametrize("preset", ["starpo", "grpo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_invariance_one_of_eight_vs_eight_of_one(preset: str, agg: str) -> None:
+    # Gradients are compared, not stepped weights: Adam's first step is lr·g/(|g| + eps), which turns
+    # float noise on a near-zero gradient into a visible weight difference.
+    grads, norms = {}, {}
+    for micro in (8, 1):
+        cfg = make_cfg(preset, f"trainer.micro_batch_size={micro}", f"algorithm.loss_agg={agg}")
+        state = init_state(cfg)
+        actor_grads = _capture_grads(state.actor_engine)
+        critic_grads = _capture_grads(state.critic_engine) if state.critic_engine else []
+        stats = update(state, make_batch(), cfg)
+        grads[micro] = actor_grads[0] + (critic_grads[0] if critic_grads else [])
+        norms[micro] = stats.metrics["actor/grad_norm"]
+    assert len(grads[8]) == len(grads[1]) > 0
+    for g8, g1 in zip(grads[8], grads[1]):
+        torch.testing.assert_close(g1, g8, atol=1e-6, rtol=1e-5)
+    assert norms[1] == pytest.approx(norms[8], rel=1e-5)
+
+
+def test_gradient_is_the_whole_mini_batch_token_mean() -> None:
+    # GRPO without KL and with a zero entropy bonus: the actor loss is exactly policy_loss over the
+    # whole batch (token-mean over all 53 loss tokens). The trainer's accumulated gradient over
+    # micro-batches of 3 (uneven: 3+3+2 rows of different lengths) must equal that plain gradient.
+    cfg = make_cfg("grpo", "algorithm.kl_coef=0.0", "algorithm.entropy_coef=0.0", "trainer.micro_batch_size=3")
+    batch = make_batch()
+    state = init_state(cfg)
+    reference = init_state(cfg).models.actor  # same seed, same weights
+    seen = _capture_grads(state.actor_engine)
+    update(state, batch, cfg)
+
+    from ragen_core.algos.advantages import grpo
+
+    adv = grpo(batch.returns, batch.group_ids)[:, None] * batch.loss_mask
+    out = policy_forward(reference, batch.input_ids, batch.attention_mask, cfg.rollout.temperature, chunk=4)
+    loss, _ = losses.policy_loss(out.logprobs, batch.old_logprobs, adv, batch.loss_mask, clip_low=0.2,
+                                 clip_high=0.2, dual_clip=3.0, agg="token-mean")
+    loss.backward()
+    expected = [p.grad for p in reference.parameters() if p.requires_grad]
+    for got, want in zip(seen[0], expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_online_k_makes_k_steps_and_reports_mean_and_max_grad_norm() -> None:
+    cfg = make_cfg("starpo-s", "trainer.online_k=2", "trainer.ppo_epochs=2")
+    state = init_state(cfg)
+    seen = _capture_grads(state.actor_engine)
+    stats = update(state, make_batch(), cfg)
+    assert stats.optimizer_steps == 4 and len(seen) == 4
+    norms = [float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))) for gs in seen]
+    assert stats.metrics["actor/grad_norm"] == pytest.approx(sum(norms) / 4, rel=1e-5)
+    assert stats.metrics["actor/grad_norm_max"] == pytest.approx(max(norms), rel=1e-5)
+
+
+def test_online_k_larger_than_batch_is_refused() -> None:
+    cfg = make_cfg("starpo-s", "trainer.online_k=16")
+    with pytest.raises(ValueError, match="online_k"):
+        update(init_state(cfg), make_batch(), cfg)
+
+
+def test_update_does_not_modify_the_batch() -> None:
+    cfg = make_cfg("starpo")
+    batch = make_batch()
+    copies = {k: v.clone() for k, v in vars(batch).items()}
+    update(init_state(cfg), batch, cfg)
+    for k, v in vars(batch).items():
+        assert torch.equal(v, copies[k]), k
+
+
+def test_grpo_advantages_are_not_whitened_and_follow_groups() -> None:
+    # Group 0 returns [1, 0, 1, 1] (hand-made below): mean 0.75, unbiased std 0.5, so A = +0.5 or -1.5
+    # on every generated token of a row. Whitening would change these values.
+    from ragen_core.trainer.update import compute_advantages
+
+    cfg = make_cfg("grpo")
+    batch = make_batch()
+    returns = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    batch = type(batch)(**{**vars(batch), "returns": returns})
+    adv, ret = compute_advantages(batch, batch.rewards, None, cfg.algorithm)
+    assert ret is None
+    row1 = adv[1][batch.loss_mask[1]]
+    assert torch.allclose(row1, torch.full_like(row1, -1.5 / (1 + 2e-6)), atol=1e-5)
+    assert torch.all(adv[~batch.loss_mask] == 0)
+
+
+def test_kl_in_reward_lowers_rewards_on_generated_tokens() -> None:
+    from ragen_core.trainer.update import _token_rewards
+
+    cfg = make_cfg("starpo", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.5")
+    batch = make_batch()
+    ref = batch.old_logprobs - 1.0  # k1 = old - ref = +1 on every generated token
+    rewards = _token_rewards(batch, ref, cfg.algorithm)
+    expected = batch.rewards - 0.5 * batch.loss_mask.float()
+    torch.testing.assert_close(rewards, expected)
+
+
+def test_filter_batch_keeps_whole_highest_std_groups() -> None:
+    # 3 groups of 4: returns by group [0,0,0,0] (std 0), [1,0,1,0] (std 0.577), [1,1,1,0] (std 0.5).
+    # keep_ratio 0.34 keeps floor(0.34*3) = 1 group: group 1, the highest std.
+    batch = make_batch(n_groups=3, group_size=4)
+    returns = torch.tensor([0, 0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 0], dtype=torch.float32)
+    algo = make_cfg("starpo-s", "algorithm.keep_ratio=0.34").algorithm
+    kept = filter_batch(batch, returns, algo)
+    assert kept.kept_groups.tolist() == [1]
+    assert kept.rows.tolist() == [4, 5, 6, 7]
+    assert kept.batch.batch_size == 4 and torch.equal(kept.batch.group_ids, torch.ones(4, dtype=torch.long))
+    assert kept.metrics["rollout/reward_std_kept"] == pytest.approx(math.sqrt(1 / 3))
+    assert kept.metrics["rollout/reward_std_all"] == pytest.approx((0 + math.sqrt(1 / 3) + 0.5) / 3)
+    # the same returns given as [P, N] select the same rows
+    assert filter_batch(batch, returns.reshape(3, 4), algo).rows.tolist() == [4, 5, 6, 7]
+
+
+def test_filter_batch_none_keeps_everything() -> None:
+    batch = make_batch(n_groups=2, group_size=4)
+    algo = make_cfg("starpo").algorithm
+    kept = filter_batch(batch, torch.zeros(8), algo)
+    assert kept.rows.tolist() == list(range(8)) and kept.metrics["rollout/kept_ratio"] == 1.0
