@@ -1,0 +1,156 @@
+"""Trajectories → TokenBatch: one right-padded row per trajectory, loss on exactly the sampled ids (SPEC §3, §4).
+
+    from ragen_core.rollout.batch import build_token_batch
+    batch = build_token_batch(trajectories, tokenizer, cfg.rollout, max_length=2048)
+
+A row is the dialogue as the model last saw it plus its last reply (``context.render_dialogue``):
+the first prompt (system, instruction, first state), then per turn the sampled reply ids and the
+next prompt delta. ``input_ids`` hold exactly the sampled ids, never a re-tokenisation;
+``loss_mask`` is True exactly on them (each reply's end-of-turn token included, the template's
+text after it excluded), ``old_logprobs`` carries the sampler's log-probs at those positions
+(``types.py`` alignment: position t holds log p(input_ids[t] | input_ids[:t])).
+
+Rewards (SPEC §4), on the [B, T] ``rewards`` tensor:
+
+* ``"last"``: the trajectory's ``total_return`` (env rewards + format penalties) on its last
+  generated token;
+* ``"turn"``: each turn's reward + penalty on that turn's last generated token. Rewards of turns
+  the context guard dropped (or of a turn with an empty reply) are carried to the next turn
+  end, so every row's rewards always sum to ``total_return``.
+
+Turn boundaries are data: ``turn_ids`` (index into ``Trajectory.turns``, -1 on padding) and
+``turn_ends`` (True on each turn's last generated token).
+
+Context guard: ``max_length`` caps a row; the oldest turns go first (``context.py``), starting
+from the turns the rollout already dropped (``Trajectory.dropped_turns``). A row that does not fit
+even with only its last turn is cut from the left (mask alignment kept); nothing raises.
+
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_batch.py -q``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ragen_core.rollout.chat import ChatRenderer, RenderedSequence, Span
+from ragen_core.rollout.context import render_dialogue
+from ragen_core.types import TokenBatch, Trajectory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ragen_core.config import RolloutConfig
+
+__all__ = ["build_token_batch", "trajectory_row"]
+
+
+def trajectory_row(traj: Trajectory, renderer: ChatRenderer, window_turns: int | None = None,
+                   max_length: int | None = None) -> RenderedSequence:
+    """The guarded training row of one trajectory (spans with their generated/prompt roles)."""
+    if not traj.turns:
+        raise ValueError(f"trajectory (env {traj.env_tag}, seed {traj.seed}) has no turns; nothing to train on")
+    prompts = [t.prompt_ids for t in traj.turns]
+    responses = [t.response_ids for t in traj.turns]
+    logprobs = [t.logprobs for t in traj.turns]
+    texts = traj.meta.get("user_texts")
+    texts = list(texts) if texts is not None and len(texts) == len(prompts) else None
+    block = traj.meta.get("instruction")
+    last = len(prompts) - 1
+    row = render_dialogue(renderer, prompts, responses, logprobs, block=block, user_texts=texts,
+                          budget=max_length, window_turns=window_turns, min_start=min(traj.dropped_turns, last))
+    if row is not None:
+        return row
+    # Not even the last turn fits: keep its last max_length tokens (never a crash; SPEC §3).
+    only_last = render_dialogue(renderer, prompts, responses, logprobs, block=block, user_texts=texts,
+                                budget=None, min_start=last)
+    if only_last is None or max_length is None:  # unreachable: without a budget a start always exists
+        raise AssertionError("render_dialogue without a budget returned nothing")
+    return _cut_left(only_last, max_length)
+
+
+def _cut_left(seq: RenderedSequence, max_length: int) -> RenderedSequence:
+    """The last ``max_length`` tokens of ``seq``, spans trimmed at the cut."""
+    drop = len(seq) - max_length
+    spans = []
+    for s in seq.spans:
+        k = min(drop, len(s.ids))
+        drop -= k
+        if k < len(s.ids):
+            spans.append(Span(s.ids[k:], s.generated, s.turn, s.logprobs[k:] if s.generated else ()))
+    return RenderedSequence(spans=tuple(spans), start_turn=seq.start_turn)
+
+
+def _rewards(row: RenderedSequence, traj: Trajectory, placement: str) -> list[float]:
+    """Per-token rewards of one row (module docstring, "Rewards")."""
+    ends = row.turn_ends
+    out = [0.0] * len(ends)
+    end_pos = [t for t, e in enumerate(ends) if e]
+    if not end_pos:  # no generated token survived: nowhere to put a reward
+        return out
+    if placement == "last":
+        out[end_pos[-1]] = traj.total_return
+        return out
+    if placement != "turn":
+        raise ValueError(f"reward_placement must be 'last' or 'turn', got {placement!r}")
+    turn_ids = row.turn_ids
+    end_of_turn = {turn_ids[p]: p for p in end_pos}
+    pending = 0.0
+    for i, turn in enumerate(traj.turns):
+        pending += turn.reward + turn.penalty
+        if i in end_of_turn:
+            out[end_of_turn[i]] += pending
+            pending = 0.0
+    out[end_pos[-1]] += pending  # a trailing turn with no generated token left in the row
+    return out
+
+
+def build_token_batch(
+    trajectories: Sequence[Trajectory],
+    tokenizer: PreTrainedTokenizerBase,
+    rollout_cfg: RolloutConfig,
+    max_length: int | None = None,
+    *,
+    renderer: ChatRenderer | None = None,
+) -> TokenBatch:
+    """One row per trajectory, right-padded to the longest row (module docstring)."""
+    if not trajectories:
+        raise ValueError("build_token_batch needs at least one trajectory")
+    renderer = renderer or ChatRenderer(tokenizer, rollout_cfg.system_prompt)
+    rows = [trajectory_row(t, renderer, rollout_cfg.window_turns, max_length) for t in trajectories]
+    width = max(len(r) for r in rows)
+    pad = _pad_id(tokenizer)
+    B = len(rows)
+    input_ids = torch.full((B, width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((B, width), dtype=torch.bool)
+    loss_mask = torch.zeros((B, width), dtype=torch.bool)
+    old_logprobs = torch.zeros((B, width), dtype=torch.float32)
+    rewards = torch.zeros((B, width), dtype=torch.float32)
+    turn_ids = torch.full((B, width), -1, dtype=torch.long)
+    turn_ends = torch.zeros((B, width), dtype=torch.bool)
+    for b, (row, traj) in enumerate(zip(rows, trajectories)):
+        n = len(row)
+        input_ids[b, :n] = torch.tensor(row.input_ids, dtype=torch.long)
+        attention_mask[b, :n] = True
+        loss_mask[b, :n] = torch.tensor(row.loss_mask, dtype=torch.bool)
+        old_logprobs[b, :n] = torch.tensor(row.old_logprobs, dtype=torch.float32)
+        rewards[b, :n] = torch.tensor(_rewards(row, traj, rollout_cfg.reward_placement), dtype=torch.float32)
+        turn_ids[b, :n] = torch.tensor(row.turn_ids, dtype=torch.long)
+        turn_ends[b, :n] = torch.tensor(row.turn_ends, dtype=torch.bool)
+    return TokenBatch(
+        input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, old_logprobs=old_logprobs,
+        rewards=rewards, turn_ids=turn_ids, turn_ends=turn_ends,
+        group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        returns=torch.tensor([t.total_return for t in trajectories], dtype=torch.float32),
+    )
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+

@@ -1,0 +1,193 @@
+"""Token batches (batch.py) on the tiny model's ChatML template: exact masks, sampled ids, rewards, guard.
+
+The same mask checks run on the default model's template in
+tests/integration/test_masks_default_model.py (slow).
+
+Run: .venv/bin/python -m pytest tests/unit/rollout/test_rollout_batch.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerBase
+
+from ragen_core.config import EnvConfig, RolloutConfig
+from ragen_core.models import load_tokenizer
+from ragen_core.rollout.batch import build_token_batch
+from ragen_core.rollout.chat import ChatRenderer
+from ragen_core.rollout.loop import run_rollouts
+from ragen_core.rollout.prompts import first_user_text
+from ragen_core.rollout.scripted import ScriptedGenerator
+from ragen_core.types import TokenBatch, Trajectory, Turn
+
+SOKOBAN = EnvConfig(name="Sokoban")
+REPLIES = ["<think>push</think><answer>Left || Up</answer>", "<think>hmm √ déjà</think><answer>Right</answer>",
+           "no format at all", "<think>long " + "word " * 40 + "</think><answer>Down</answer>"]
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerBase:
+    return load_tokenizer("tiny-random")
+
+
+def _script(call: int, row: int, prompt: object) -> str:
+    return REPLIES[(call + row) % len(REPLIES)]
+
+
+def check_masks(batch: TokenBatch, trajs: list[Trajectory], tok: PreTrainedTokenizerBase) -> None:
+    """The mask properties the issue asks for; shared with the default-model integration test."""
+    eot = ChatRenderer(tok, RolloutConfig().system_prompt).end_of_turn_text
+    for b, t in enumerate(trajs):
+        ids, mask, tids = batch.input_ids[b], batch.loss_mask[b], batch.turn_ids[b]
+        kept = range(t.dropped_turns, len(t.turns))
+        # masked positions are exactly the kept turns' sampled ids, in order: the ids ARE the sampled ids
+        assert ids[mask].tolist() == [i for k in kept for i in t.turns[k].response_ids]
+        assert batch.old_logprobs[b][mask].tolist() == [x for k in kept for x in t.turns[k].logprobs]
+        assert not batch.old_logprobs[b][~mask].any()
+        for k in kept:
+            turn = t.turns[k]
+            sel = ids[mask & (tids == k)].tolist()
+            assert sel == list(turn.response_ids)
+            # decoding the masked tokens gives back exactly the model's reply (+ its end-of-turn token)
+            text = tok.decode(sel)
+            assert text == (turn.response_text + eot if turn.finish_reason == "stop" else turn.response_text)
+        # env text is never masked: every observation shown is in the unmasked part, none in the masked
+        unmasked = tok.decode(ids[~mask & batch.attention_mask[b]].tolist())
+        masked = tok.decode(ids[mask].tolist())
+        for k in kept:
+            assert t.turns[k].observation.strip() in unmasked
+            assert t.turns[k].observation.strip() not in masked
+        assert "State:" not in masked and "Reward:" not in masked
+        # padding: right side, never trained, turn id -1
+        n = int(batch.attention_mask[b].sum())
+        assert batch.attention_mask[b, :n].all() and not batch.attention_mask[b, n:].any()
+        assert not mask[n:].any() and (tids[n:] == -1).all() and (tids[:n] >= 0).all()
+        assert int(batch.turn_ends[b].sum()) == len(kept)
+
+
+def test_masks_ids_and_env_text(tok: PreTrainedTokenizerBase) -> None:
+    cfg = RolloutConfig(max_new_tokens=40)  # the long reply is cut: finish_reason 'length'
+    trajs = run_rollouts(SOKOBAN, ScriptedGenerator(tok, _script), tok, cfg, seeds=[3, 4], n_per_group=2)
+    assert {turn.finish_reason for t in trajs for turn in t.turns} == {"stop", "length"}
+    batch = build_token_batch(trajs, tok, cfg)
+    check_masks(batch, trajs, tok)
+
+
+def test_row_is_the_templates_rendering_of_the_dialogue(tok: PreTrainedTokenizerBase) -> None:
+    cfg = RolloutConfig()
+    gen = ScriptedGenerator(tok, _script)
+    trajs = run_rollouts(SOKOBAN, gen, tok, cfg, seeds=[3], n_per_group=2)
+    batch = build_token_batch(trajs, tok, cfg)
+    renderer = ChatRenderer(tok, cfg.system_prompt)
+    for b, t in enumerate(trajs):
+        texts = t.meta["user_texts"]
+        messages = renderer.messages(first_user_text(t.meta["instruction"], texts[0]),
+                                     [turn.response_text for turn in t.turns], texts[1:])
+        template = tok.apply_chat_template(messages, tokenize=False)
+        row = batch.input_ids[b][batch.attention_mask[b]].tolist()
+        assert template.startswith(tok.decode(row))  # the template adds only "\n" after the last <|im_end|>
+        assert tok(template, add_special_tokens=False)["input_ids"][: len(row)] == row
+        # the row is also exactly the last context the generator saw + the last sampled reply
+        assert row == list(gen.calls[len(t.turns) - 1].prompts[b]) + list(t.turns[-1].response_ids)
+
+
+def _hand_trajectory(group_id: int = 0) -> Trajectory:
+    # head [5 6 7], reply0 [10 11 2], delta1 [8 9], reply1 [12 2]  (2 = the tiny model's <|im_end|>)
+    turns = (
+        Turn("s0", (5, 6, 7), (10, 11, 2), (-0.5, -0.25, -0.125), "r0", ("Up",), -0.1, -0.1, False),
+        Turn("s1", (8, 9), (12, 2), (-1.0, -0.75), "r1", ("Up",), 1.0, 0.0, True),
+    )
+    return Trajectory("Sokoban", 3, group_id, turns, success=True, terminated=True, truncated=False)
+
+
+def test_reward_placement_golden(tok: PreTrainedTokenizerBase) -> None:
+    traj = _hand_trajectory()
+    last = build_token_batch([traj], tok, RolloutConfig(reward_placement="last"))
+    # row: 5 6 7 | 10 11 2 | 8 9 | 12 2 -> positions 0..9; last generated token at position 9.
+    assert last.input_ids[0].tolist() == [5, 6, 7, 10, 11, 2, 8, 9, 12, 2]
+    assert last.loss_mask[0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    # total_return = (-0.1 - 0.1) + (1.0 + 0.0) = 0.8, all of it on position 9
+    assert last.rewards[0].tolist() == pytest.approx([0] * 9 + [0.8])
+    turn = build_token_batch([traj], tok, RolloutConfig(reward_placement="turn"))
+    # turn 0's reward + penalty (-0.2) on its last generated token (position 5), turn 1's (1.0) on 9
+    assert turn.rewards[0].tolist() == pytest.approx([0, 0, 0, 0, 0, -0.2, 0, 0, 0, 1.0])
+    assert turn.turn_ends[0].tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert turn.turn_ids[0].tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert turn.old_logprobs[0].tolist() == [0, 0, 0, -0.5, -0.25, -0.125, 0, 0, -1.0, -0.75]
+    assert turn.returns.tolist() == pytest.approx([0.8]) and turn.group_ids.tolist() == [0]
+
+
+def test_padding_group_ids_and_select(tok: PreTrainedTokenizerBase) -> None:
+    short = Trajectory("Bandit", 1, 4, (_hand_trajectory().turns[0],), success=False, terminated=True, truncated=False)
+    batch = build_token_batch([_hand_trajectory(3), short], tok, RolloutConfig())
+    assert batch.input_ids.shape == (2, 10)
+    assert batch.attention_mask[1].tolist() == [1] * 6 + [0] * 4
+    assert batch.input_ids[1, 6:].tolist() == [tok.pad_token_id] * 4
+    assert batch.group_ids.tolist() == [3, 4]
+    assert batch.rewards[1].tolist() == pytest.approx([0, 0, 0, 0, 0, -0.2, 0, 0, 0, 0])
+    sub = batch.select([1])
+    assert sub.input_ids.shape == (1, 6)
+
+
+def test_hard_cap_in_batch_drops_oldest_turns_and_keeps_rewards(tok: PreTrainedTokenizerBase) -> None:
+    cfg = RolloutConfig(reward_placement="turn")
+    trajs = run_rollouts(SOKOBAN, ScriptedGenerator(tok, _script), tok, cfg, seeds=[3], n_per_group=1)
+    full = build_token_batch(trajs, tok, cfg)
+    width = int(full.attention_mask.sum())
+    capped = build_token_batch(trajs, tok, cfg, max_length=width - 1)
+    n = int(capped.attention_mask.sum())
+    assert n <= width - 1
+    kept = sorted(set(capped.turn_ids[0, :n].tolist()))
+    assert kept[0] >= 1 and kept[-1] == len(trajs[0].turns) - 1
+    row_text = tok.decode(capped.input_ids[0, :n].tolist())
+    assert row_text.count("<|im_start|>system") == 1 and "You are solving a Sokoban puzzle" in row_text
+    # dropped turns' rewards move to the first kept turn end: the row still sums to total_return
+    assert float(capped.rewards.sum()) == pytest.approx(trajs[0].total_return, abs=1e-5)
+    # masked ids are still exactly the kept turns' sampled ids
+    assert capped.input_ids[0][capped.loss_mask[0]].tolist() == [
+        i for k in kept for i in trajs[0].turns[k].response_ids]
+    # a cap below even the last turn: cut from the left, never a crash
+    tiny = build_token_batch(trajs, tok, cfg, max_length=8)
+    assert tiny.input_ids.shape == (1, 8)
+    assert tiny.input_ids[0].tolist() == full.input_ids[0, width - 8:width].tolist()
+    assert tiny.loss_mask[0].tolist() == full.loss_mask[0, width - 8:width].tolist()
+
+
+def test_window_rows_are_the_last_context(tok: PreTrainedTokenizerBase) -> None:
+    cfg = RolloutConfig(window_turns=2, max_turns=4)
+    gen = ScriptedGenerator(tok, _script)
+    trajs = run_rollouts(SOKOBAN, gen, tok, cfg, seeds=[3], n_per_group=2)
+    batch = build_token_batch(trajs, tok, cfg)
+    check_masks(batch, trajs, tok)
+    for b, t in enumerate(trajs):
+        assert t.dropped_turns == len(t.turns) - 2
+        row = batch.input_ids[b][batch.attention_mask[b]].tolist()
+        assert row == list(gen.calls[len(t.turns) - 1].prompts[b]) + list(t.turns[-1].response_ids)
+
+
+def test_empty_input_is_an_error(tok: PreTrainedTokenizerBase) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        build_token_batch([], tok, RolloutConfig())
+    empty = Trajectory("Sokoban", 1, 0, (), success=False, terminated=False, truncated=True)
+    with pytest.raises(ValueError, match="no turns"):
+        build_token_batch([empty], tok, RolloutConfig())
+
+
+_PIECES = list("abc <>/|√é\n") + ["<think>", "</think>", "<answer>", "</answer>", "Up", "left", " || ", "🙂"]
+_REPLY = st.lists(st.sampled_from(_PIECES), max_size=30).map("".join)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(replies=st.lists(_REPLY, min_size=1, max_size=4), max_new=st.integers(4, 40),
+       placement=st.sampled_from(["last", "turn"]), window=st.sampled_from([None, 1, 2]))
+def test_mask_properties_hold_for_any_replies(tok: PreTrainedTokenizerBase, replies: list[str], max_new: int,
+                                              placement: str, window: int | None) -> None:
+    cfg = RolloutConfig(max_new_tokens=max_new, max_turns=3, reward_placement=placement, window_turns=window)
+    gen = ScriptedGenerator(tok, lambda c, r, p: replies[(c + r) % len(replies)])
+    trajs = run_rollouts(SOKOBAN, gen, tok, cfg, seeds=[3], n_per_group=2)
+    batch = build_token_batch(trajs, tok, cfg)
+    check_masks(batch, trajs, tok)
+    assert torch.allclose(batch.rewards.sum(1), torch.tensor([t.total_return for t in trajs]), atol=1e-5)
