@@ -1,0 +1,271 @@
+"""Parquet trajectory store: one shard per iteration, hive-partitioned, versioned, written atomically.
+
+    from ragen_core.store import run_dir, write_shard, read_run, read_trajectories
+    path = write_shard(run_dir("bandit-starpo-s"), iteration=3, trajectories=trajs, kept=kept)
+    df = read_run(run_dir("bandit-starpo-s"))            # pandas, all iterations, column 'iteration'
+    trajs = read_trajectories(df[df.iteration == 3])      # back to Trajectory records
+
+Layout: ``$RAGEN_DATA_DIR/runs/<run>/rollouts/iter=NNNN/part-0.parquet``. One row per trajectory
+with its turns nested (``list<struct>``: prompt and response ids as ``list<int32>``, sampling
+log-probs as ``list<float32>``, the dtype they were sampled in), token counts, and ``kept`` (did
+the StarPO-S filter keep the trajectory's group). ``schema_version`` is a column and is also in
+the file's schema metadata; a reader refuses shards from a newer version.
+
+A shard is written to a hidden temp file (``.part-0.parquet.tmp-<pid>``) in the same directory,
+fsynced, then renamed over the final name (``os.replace`` is atomic on POSIX): a crash leaves
+either the old state or the whole new shard. Hidden files are ignored by pyarrow datasets and by
+a ``*.parquet`` glob, so a reader never sees a half-written file.
+
+DuckDB reads a run directly::
+
+    duckdb.sql("select iter::int as it, avg(success::int) from read_parquet('data/runs/R/rollouts/*/*.parquet',"
+               " hive_partitioning=true) group by it order by it")   # iter=0003 reads as text
+
+Run its tests: ``.venv/bin/python -m pytest tests/unit/store -q``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from ragen_core.types import Trajectory, Turn
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "SCHEMA", "SCHEMA_VERSION", "TURN_TYPE", "read_run", "read_shard", "read_trajectories", "rollouts_dir",
+    "run_dir", "shard_path", "to_table", "write_shard",
+]
+
+SCHEMA_VERSION = 1
+"""Bump when the schema changes incompatibly; readers refuse newer shards."""
+
+_META_KEY = b"ragen.schema_version"
+_SHARD = "part-0.parquet"
+
+TURN_TYPE = pa.struct([
+    ("observation", pa.string()),
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("response_ids", pa.list_(pa.int32())),
+    ("logprobs", pa.list_(pa.float32())),
+    ("response_text", pa.string()),
+    ("actions", pa.list_(pa.string())),
+    ("reward", pa.float64()),
+    ("penalty", pa.float64()),
+    ("parse_ok", pa.bool_()),
+    ("finish_reason", pa.string()),
+    ("think_tokens", pa.int32()),
+    ("n_effective_actions", pa.int32()),
+])
+"""One ``types.Turn``; field names are the dataclass's."""
+
+SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int32()),
+        ("env_tag", pa.string()),
+        ("seed", pa.int64()),
+        ("group_id", pa.int64()),
+        ("success", pa.bool_()),
+        ("terminated", pa.bool_()),
+        ("truncated", pa.bool_()),
+        ("dropped_turns", pa.int32()),
+        ("kept", pa.bool_()),
+        ("env_return", pa.float64()),
+        ("total_return", pa.float64()),
+        ("n_turns", pa.int32()),
+        ("n_actions", pa.int32()),
+        ("prompt_tokens", pa.int32()),
+        ("response_tokens", pa.int32()),
+        ("meta_json", pa.string()),
+        ("turns", pa.list_(TURN_TYPE)),
+    ],
+    metadata={_META_KEY: str(SCHEMA_VERSION).encode()},
+)
+"""One row per trajectory (module docstring)."""
+
+
+# ---------------------------------------------------------------------- paths
+
+
+def run_dir(name: str) -> Path:
+    """``$RAGEN_DATA_DIR/runs/<name>`` (not created here)."""
+    from ragen_core.config import data_dir
+
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"bad run name {name!r}: use a plain directory name")
+    return data_dir() / "runs" / name
+
+
+def rollouts_dir(run: str | os.PathLike[str]) -> Path:
+    return Path(run) / "rollouts"
+
+
+def shard_path(run: str | os.PathLike[str], iteration: int) -> Path:
+    """``<run>/rollouts/iter=NNNN/part-0.parquet``."""
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    return rollouts_dir(run) / f"iter={iteration:04d}" / _SHARD
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def to_table(trajectories: Sequence[Trajectory], kept: Sequence[bool] | None = None) -> pa.Table:
+    """The Arrow table of ``trajectories`` (``kept`` defaults to all True)."""
+    kept = [True] * len(trajectories) if kept is None else list(kept)
+    if len(kept) != len(trajectories):
+        raise ValueError(f"kept has {len(kept)} flags for {len(trajectories)} trajectories")
+    rows = [_row(t, bool(k)) for t, k in zip(trajectories, kept)]
+    return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+
+def _row(t: Trajectory, kept: bool) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "env_tag": t.env_tag,
+        "seed": t.seed,
+        "group_id": t.group_id,
+        "success": t.success,
+        "terminated": t.terminated,
+        "truncated": t.truncated,
+        "dropped_turns": t.dropped_turns,
+        "kept": kept,
+        "env_return": t.env_return,
+        "total_return": t.total_return,
+        "n_turns": len(t.turns),
+        "n_actions": t.n_actions,
+        "prompt_tokens": sum(len(x.prompt_ids) for x in t.turns),
+        "response_tokens": t.response_tokens,
+        "meta_json": json.dumps(t.meta, sort_keys=True, ensure_ascii=False),
+        "turns": [{name: getattr(x, name) for name in TURN_TYPE.names} for x in t.turns],
+    }
+
+
+def write_shard(run: str | os.PathLike[str], iteration: int, trajectories: Sequence[Trajectory],
+                kept: Sequence[bool] | None = None) -> Path:
+    """Write iteration ``iteration`` of ``run`` atomically (module docstring); returns the shard path.
+
+    Rewriting an iteration replaces its shard whole. Temp files left by killed writers are removed.
+    """
+    final = shard_path(run, iteration)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    table = to_table(trajectories, kept)
+    _remove_stale_temps(final.parent)
+    tmp = final.parent / f".{_SHARD}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            pq.write_table(table, handle, compression="zstd")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    return final
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    """Delete temp shards whose writer process no longer exists."""
+    for path in folder.glob(f".{_SHARD}.tmp-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------- reading
+
+
+def _check_version(schema: pa.Schema, where: str) -> None:
+    raw = (schema.metadata or {}).get(_META_KEY)
+    if raw is not None and int(raw) > SCHEMA_VERSION:
+        raise ValueError(f"{where} was written with trajectory schema v{int(raw)}; this ragen reads up to "
+                         f"v{SCHEMA_VERSION}: upgrade ragen")
+
+
+def read_shard(path: str | os.PathLike[str]) -> pd.DataFrame:
+    """One shard as a DataFrame."""
+    table = pq.read_table(path)
+    _check_version(table.schema, str(path))
+    return table.to_pandas()
+
+
+def read_run(run: str | os.PathLike[str]) -> pd.DataFrame:
+    """All shards of a run as one DataFrame, with an ``iteration`` column, ordered by iteration.
+
+    Empty (with the schema's columns) when the run has no complete shard yet.
+    """
+    root = rollouts_dir(run)
+    if not root.is_dir():
+        return _empty_frame()
+    partitioning = ds.partitioning(pa.schema([("iter", pa.int32())]), flavor="hive")
+    dataset = ds.dataset(root, format="parquet", partitioning=partitioning, ignore_prefixes=[".", "_"])
+    if not dataset.files:
+        return _empty_frame()
+    for fragment in dataset.get_fragments():
+        _check_version(fragment.physical_schema, fragment.path)
+    table = dataset.to_table().rename_columns([("iteration" if c == "iter" else c) for c in dataset.schema.names])
+    frame = table.to_pandas()
+    return frame.sort_values("iteration", kind="stable").reset_index(drop=True)
+
+
+def _empty_frame() -> pd.DataFrame:
+    return SCHEMA.append(pa.field("iteration", pa.int32())).empty_table().to_pandas()
+
+
+def read_trajectories(source: str | os.PathLike[str] | pd.DataFrame) -> list[Trajectory]:
+    """Trajectories back from a DataFrame of ``read_run``/``read_shard``, a shard file or a run directory."""
+    import pandas as pd
+
+    if isinstance(source, pd.DataFrame):
+        frame = source
+    else:
+        path = Path(source)
+        frame = read_run(path) if path.is_dir() else read_shard(path)
+    return [_trajectory(row) for row in frame.to_dict("records")]
+
+
+def _trajectory(row: dict[str, Any]) -> Trajectory:
+    turns = tuple(
+        Turn(
+            observation=t["observation"],
+            prompt_ids=tuple(int(i) for i in t["prompt_ids"]),
+            response_ids=tuple(int(i) for i in t["response_ids"]),
+            logprobs=tuple(float(x) for x in t["logprobs"]),
+            response_text=t["response_text"],
+            actions=tuple(str(a) for a in t["actions"]),
+            reward=float(t["reward"]),
+            penalty=float(t["penalty"]),
+            parse_ok=bool(t["parse_ok"]),
+            finish_reason=t["finish_reason"],
+            think_tokens=int(t["think_tokens"]),
+            n_effective_actions=int(t["n_effective_actions"]),
+        )
+        for t in row["turns"]
+    )
+    return Trajectory(
+        env_tag=row["env_tag"], seed=int(row["seed"]), group_id=int(row["group_id"]), turns=turns,
+        success=bool(row["success"]), terminated=bool(row["terminated"]), truncated=bool(row["truncated"]),
+        dropped_turns=int(row["dropped_turns"]), meta=json.loads(row["meta_json"]),
+    )
