@@ -1,0 +1,93 @@
+"""Rollout diagnostics (metrics.py) and held-out evaluation (evaluate.py): hand-computed golden values.
+
+Run: .venv/bin/python -m pytest tests/unit/rollout/test_rollout_metrics.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ragen_core.config import EnvConfig, RolloutConfig
+from ragen_core.envs import make
+from ragen_core.models import load_tokenizer
+from ragen_core.rollout.evaluate import evaluate, heldout_seeds
+from ragen_core.rollout.metrics import rollout_metrics
+from ragen_core.rollout.scripted import ScriptedGenerator
+from ragen_core.types import Trajectory, Turn
+
+
+def _turn(actions: tuple[str, ...], reward: float, penalty: float, ok: bool, n_resp: int, think: int, eff: int,
+          finish: str = "stop") -> Turn:
+    return Turn("obs", (1,), (5,) * n_resp, (-1.0,) * n_resp, "r", actions, reward, penalty, ok, finish, think, eff)
+
+
+def _traj(tag: str, group: int, turns: list[Turn], success: bool, named: list[int], unknown: list[int],
+          truncated: bool = False) -> Trajectory:
+    return Trajectory(tag, group, group, tuple(turns), success=success, terminated=not truncated, truncated=truncated,
+                      meta={"named_actions": named, "unknown_actions": unknown})
+
+
+TRAJS = [
+    _traj("A", 0, [_turn(("Up", "Up"), 1.0, 0.0, True, 4, 2, 2)], True, [2], [0]),
+    _traj("A", 0, [_turn((), 0.0, -0.1, False, 6, 0, 0, "length")], False, [0], [0], truncated=True),
+    _traj("A", 1, [_turn(("Up",), 0.0, -0.1, False, 2, 1, 0)], False, [2], [1]),
+    _traj("A", 1, [_turn(("Up",), 0.0, 0.0, True, 4, 3, 1), _turn(("Down",), 0.0, 0.0, True, 4, 3, 0)], False,
+          [1, 1], [0, 0]),
+    _traj("B", 0, [_turn(("x",), 0.5, 0.0, True, 8, 0, 1)], True, [1], [0]),
+]
+
+
+def test_rollout_metrics_golden() -> None:
+    m = rollout_metrics(TRAJS)
+    expected = {
+        "env/A/success": 1 / 4, "env/A/return": 1.0 / 4, "env/A/total_return": (1.0 - 0.1 - 0.1 + 0.0) / 4,
+        "env/B/success": 1.0, "env/B/return": 0.5, "env/B/total_return": 0.5,
+        # groups (A,0) pass, (A,1) fail, (B,0) pass; N = largest group = 2
+        "rollout/pass@2": 2 / 3,
+        # unbiased std of [1, 0] = sqrt(0.5) = 0.70711, of [0, 0] = 0; the singleton group (B,0) is skipped
+        "rollout/reward_std_groups_mean": (0.5**0.5 + 0.0) / 2,
+        "rollout/return_mean": (1.0 - 0.1 - 0.1 + 0.0 + 0.5) / 5,
+        "rollout/success": 2 / 5,
+        "rollout/actions_per_episode": (2 + 0 + 1 + 2 + 1) / 5,
+        "rollout/turns_per_episode": (1 + 1 + 1 + 2 + 1) / 5,
+        # named 2+0+2+2+1 = 7, one unknown -> 6/7; effective 2+0+0+1+0+1 = 4 of 6 executed
+        "rollout/valid_action_ratio": 6 / 7, "rollout/effective_action_ratio": 4 / 6,
+        "rollout/format_ok_ratio": 4 / 6, "rollout/truncated_ratio": 1 / 5, "rollout/dropped_turns_mean": 0.0,
+        "response/length_mean": (4 + 6 + 2 + 4 + 4 + 8) / 6, "response/think_length_mean": (2 + 0 + 1 + 3 + 3 + 0) / 6,
+        "response/clip_ratio": 1 / 6,
+    }
+    assert m.keys() == expected.keys()
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value), key
+    assert rollout_metrics([]) == {}
+
+
+def test_evaluate_fixed_seeds_temperature_and_pass_at_n() -> None:
+    tok = load_tokenizer("tiny-random")
+    gen = ScriptedGenerator(tok, "<think>dragons are risky but rich</think><answer>Dragon</answer>")
+    seeds = heldout_seeds(4, 123)
+    assert seeds == (123, 124, 125, 126)
+    envs = [EnvConfig(name="Bandit"), EnvConfig(name="BanditRev", tag="rev")]
+    result = evaluate(envs, gen, tok, RolloutConfig(), seeds, n_per_seed=3)
+    assert {c.params.temperature for c in gen.calls} == {0.5}
+    assert all(c.params.seed is not None for c in gen.calls)
+    # Bandit: Dragon is the high-risk arm with the higher expected value (0.25 > 0.15): always a success
+    # BanditRev: Dragon is the safe arm paying 0.15: never a success (success means the higher-EV arm)
+    payouts = []
+    for seed in seeds:
+        for member in range(3):
+            env = make("Bandit")
+            env.reset(seed=seed, options={"dynamics_seed": member})
+            payouts.append(env.step("Dragon")[1])
+    m = result.metrics
+    assert m["val/Bandit/success"] == 1.0 and m["val/Bandit/pass@3"] == 1.0
+    assert m["val/Bandit/return"] == pytest.approx(sum(payouts) / 12)
+    assert m["val/rev/success"] == 0.0 and m["val/rev/pass@3"] == 0.0
+    assert m["val/rev/return"] == pytest.approx(0.15)
+    assert m["val/success"] == pytest.approx(0.5)
+    assert len(result.trajectories) == 24 and {t.seed for t in result.trajectories} == set(seeds)
+    # deterministic: the same weights evaluated again give the same numbers
+    again = evaluate(envs, ScriptedGenerator(tok, gen.script), tok, RolloutConfig(), seeds, n_per_seed=3)
+    assert again.metrics == m
+    with pytest.raises(ValueError):
+        heldout_seeds(0)
