@@ -42,7 +42,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["StepOutcome", "TextEnv", "TEXT_CHARSET", "MAX_TEXT_CHARS"]
+__all__ = ["MAX_TEXT_CHARS", "TEXT_CHARSET", "StepOutcome", "TextEnv"]
 
 # Nominal gymnasium spaces: observations and actions are strings. The charset is what the
 # built-in renderers use; free-form envs may echo other Unicode, so the spaces are descriptive,

@@ -35,8 +35,15 @@ import numpy as np
 
 from ragen_core.envs.base import StepOutcome, TextEnv
 
-__all__ = ["CountdownEnv", "CountdownProblem", "AnswerScore", "generate_problem", "score_answer",
-           "parse_expression", "MAX_ANSWER_CHARS"]
+__all__ = [
+    "MAX_ANSWER_CHARS",
+    "AnswerScore",
+    "CountdownEnv",
+    "CountdownProblem",
+    "generate_problem",
+    "parse_expression",
+    "score_answer",
+]
 
 MAX_ANSWER_CHARS = 256
 """Longer answers are rejected before parsing (bounds parser work and recursion depth)."""
@@ -159,9 +166,10 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[Fraction]]:
                 raise ValueError(f"operator not allowed: {type(node.op).__name__}")
         elif isinstance(node, ast.UnaryOp):
             if not isinstance(node.op, (ast.UAdd, ast.USub)):
-                raise ValueError(f"operator not allowed: {type(node.op).__name__}")
+                # ValueError (not TypeError) throughout: this judges an answer, it is no API misuse.
+                raise ValueError(f"operator not allowed: {type(node.op).__name__}")  # noqa: TRY004
         elif not isinstance(node, (ast.operator, ast.unaryop)):
-            raise ValueError(f"syntax not allowed: {type(node).__name__}")
+            raise ValueError(f"syntax not allowed: {type(node).__name__}")  # noqa: TRY004
     return _evaluate(tree.body), literals
 
 

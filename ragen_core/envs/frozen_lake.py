@@ -21,13 +21,14 @@ F frozen, H hole, G goal), used by tests.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ragen_core.envs.base import StepOutcome, TextEnv
 
-__all__ = ["FrozenLakeEnv", "generate_map", "DEFAULT_SYMBOLS"]
+__all__ = ["DEFAULT_SYMBOLS", "FrozenLakeEnv", "generate_map"]
 
 Pos = tuple[int, int]
 # Index order matters: (a - 1) % 4 and (a + 1) % 4 are the perpendicular moves of a.

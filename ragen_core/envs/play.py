@@ -11,7 +11,7 @@ rich markup.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.panel import Panel

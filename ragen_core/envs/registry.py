@@ -16,7 +16,7 @@ from typing import Any
 
 from ragen_core.envs.base import TextEnv
 
-__all__ = ["EnvSpec", "register", "make", "list_envs", "env_spec"]
+__all__ = ["EnvSpec", "env_spec", "list_envs", "make", "register"]
 
 
 @dataclass(frozen=True)

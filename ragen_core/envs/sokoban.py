@@ -27,14 +27,15 @@ env's symbols (used by tests).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ragen_core.envs.base import StepOutcome, TextEnv
 
-__all__ = ["SokobanEnv", "SokobanLevel", "generate_level", "parse_level", "DEFAULT_SYMBOLS", "NEW_VOCAB_SYMBOLS"]
+__all__ = ["DEFAULT_SYMBOLS", "NEW_VOCAB_SYMBOLS", "SokobanEnv", "SokobanLevel", "generate_level", "parse_level"]
 
 Pos = tuple[int, int]
 
@@ -151,7 +152,7 @@ def generate_level(
 def parse_level(text: str | Sequence[str], symbols: str = DEFAULT_SYMBOLS) -> SokobanLevel:
     """Read a level drawn with ``symbols`` (wall, empty, target, box on target, box, player, player on target)."""
     rows = text.strip("\n").split("\n") if isinstance(text, str) else list(text)
-    wall, empty, target, box_t, box, player, player_t = symbols
+    wall, _empty, target, box_t, box, player, player_t = symbols
     floor, targets, boxes, players = set(), set(), set(), []
     for r, row in enumerate(rows):
         for c, ch in enumerate(row):

@@ -25,15 +25,25 @@ import os
 import re
 import sqlite3
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from ragen_core.envs.webshop.vocab import BRANDS, DEPARTMENTS, FILLERS, USES
 
-__all__ = ["Product", "Goal", "Catalog", "fts_query", "tokens", "generate_catalog", "make_goal",
-           "price_upper_for", "get_generated_catalog", "PRICE_STEPS"]
+__all__ = [
+    "PRICE_STEPS",
+    "Catalog",
+    "Goal",
+    "Product",
+    "fts_query",
+    "generate_catalog",
+    "get_generated_catalog",
+    "make_goal",
+    "price_upper_for",
+    "tokens",
+]
 
 _WORD = re.compile(r"\w+")
 MAX_QUERY_TERMS = 32

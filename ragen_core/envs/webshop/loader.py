@@ -35,7 +35,7 @@ from ragen_core.envs.webshop.catalog import NO_PRICE_LIMIT, Catalog, Goal, Produ
 
 __all__ = ["load_webshop_json"]
 
-_STOPWORDS = frozenset("a an and the for with of to in on by x pack count oz inch set".split())
+_STOPWORDS = frozenset(["a", "an", "and", "the", "for", "with", "of", "to", "in", "on", "by", "x", "pack", "count", "oz", "inch", "set"])
 
 
 def _read(path: str | os.PathLike[str]) -> Any:
@@ -108,7 +108,7 @@ def load_webshop_json(
     rng = np.random.default_rng(seed)
     raw_products = _read(products_path)
     if not isinstance(raw_products, list):
-        raise ValueError(f"{products_path}: expected a JSON list of products")
+        raise ValueError(f"{products_path}: expected a JSON list of products")  # noqa: TRY004 (bad file content)
     attrs = {str(k).upper(): v for k, v in (_read(attributes_path) if attributes_path else {}).items()}
     products: list[Product] = []
     seen: set[str] = set()

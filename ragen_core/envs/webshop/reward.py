@@ -21,8 +21,8 @@ Success is reward == 1 (SPEC §2).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ragen_core.envs.webshop.catalog import Goal, Product, tokens
 
@@ -81,9 +81,7 @@ def score_purchase(product: Product, goal: Goal, chosen: Mapping[str, str], pric
     n_opt = 0
     for value in chosen.values():
         v = _norm(value)
-        if v in goal_opts:
-            n_opt += 1
-        elif _in_text(value, text):
+        if v in goal_opts or _in_text(value, text):
             n_opt += 1
     n_opt = min(n_opt, len(goal.options))
     price_ok = price <= goal.price_upper

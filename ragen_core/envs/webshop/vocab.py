@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Department", "DEPARTMENTS", "BRANDS", "USES", "FILLERS"]
+__all__ = ["BRANDS", "DEPARTMENTS", "FILLERS", "USES", "Department"]
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def trajectory_digest(name, seed, action_seed, n_steps=12):
 
 def _digest_fn():
     namespace: dict = {}
-    exec(TRAJECTORY_SRC, namespace)  # test-owned source text, not user input
+    exec(TRAJECTORY_SRC, namespace)  # noqa: S102 (test-owned source text, run identically in a child process)
     return namespace["trajectory_digest"]
 
 
@@ -92,7 +92,7 @@ def _run_random_episode(env: TextEnv, seed: int, rng: np.random.Generator, limit
 def test_static_interface(name: str) -> None:
     env = make(name)
     assert env.name == name
-    obs, _ = env.reset(seed=0)
+    _obs, _ = env.reset(seed=0)
     assert isinstance(env.instruction, str) and env.instruction
     assert isinstance(env.legend, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.legend.items())
     names = env.action_names
@@ -203,7 +203,7 @@ def test_dynamics_seed_keeps_layout_and_changes_luck() -> None:
     env = make("Bandit")
     payouts = set()
     for k in range(40):
-        obs, info = env.reset(seed=9, options={"dynamics_seed": k})
+        _obs, info = env.reset(seed=9, options={"dynamics_seed": k})
         assert info["arms"] == make("Bandit").reset(seed=9)[1]["arms"]
         payouts.add(env.step("Dragon")[1])
     assert payouts == {0.0, 1.0}

@@ -118,7 +118,7 @@ def test_code_in_an_answer_has_no_side_effect(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     env = make("Countdown")
     env.reset(seed=0)
-    obs, reward, terminated, truncated, info = env.step(f"open({str(marker)!r}, 'w').write('x')")
+    _obs, reward, terminated, truncated, info = env.step(f"open({str(marker)!r}, 'w').write('x')")
     assert not marker.exists()
     assert reward == 0.0 and info["invalid_action"] and truncated and not terminated
 

@@ -59,7 +59,7 @@ def bfs_solve(level: SokobanLevel, max_states: int = 500_000) -> list[str] | Non
 
 def _level_env(text: str, **params):
     env = make("Sokoban", max_steps=None, **params)
-    obs, info = env.reset(seed=0, options={"level": text})
+    obs, _info = env.reset(seed=0, options={"level": text})
     assert obs == text  # parse/render round trip
     return env
 
@@ -153,7 +153,7 @@ def test_boxes_conserved_and_player_never_in_a_wall(name: str, seed: int, action
     box_symbols = {env.symbols[3], env.symbols[4]}
     player_symbols = {env.symbols[5], env.symbols[6]}
     for a in actions:
-        obs, *_ , terminated, truncated, _ = env.step(a)
+        obs, *_ , terminated, _truncated, _ = env.step(a)
         lv = env.level
         assert len(lv.boxes) == n_boxes == env.n_boxes
         assert lv.player in lv.floor and lv.player not in lv.boxes
@@ -169,7 +169,7 @@ def test_boxes_conserved_and_player_never_in_a_wall(name: str, seed: int, action
 @given(name=st.sampled_from(["Sokoban", "LargerSokoban", "SokobanNewVocab"]), seed=st.integers(0, 10**7))
 def test_every_generated_level_is_solvable(name: str, seed: int) -> None:
     env = make(name, max_steps=None)
-    obs, info = env.reset(seed=seed)
+    _, info = env.reset(seed=seed)
     level = env.level
     assert level.boxes != level.targets  # never already solved
     solution = bfs_solve(level)
@@ -179,7 +179,7 @@ def test_every_generated_level_is_solvable(name: str, seed: int) -> None:
     assert env.min_moves <= len(solution) <= env.max_moves
     total = 0.0
     for k, a in enumerate(solution):
-        obs, reward, terminated, _, info = env.step(a)
+        _obs, reward, terminated, _, info = env.step(a)
         total += reward
         assert terminated == (k == len(solution) - 1)
     assert info["success"] and reward >= 10.0 - 0.1

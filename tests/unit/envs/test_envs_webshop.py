@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from ragen_core.envs import make
-from ragen_core.envs.webshop import Goal, Product, fts_query, generate_catalog, load_webshop_json, score_purchase
+from ragen_core.envs.webshop import (
+    Goal,
+    Product,
+    fts_query,
+    generate_catalog,
+    load_webshop_json,
+    score_purchase,
+)
 from ragen_core.envs.webshop.catalog import PRICE_STEPS, get_generated_catalog
 from ragen_core.envs.webshop.env import WebShopEnv
 
@@ -68,7 +75,7 @@ def test_fts_syntax_in_queries_is_never_an_error(catalog, query: str) -> None:
     assert isinstance(results, list) and len(results) <= 50
     env = make("WebShop")
     env.reset(seed=0)
-    obs, reward, terminated, truncated, info = env.step(f"search[{query}]")
+    obs, reward, terminated, _truncated, _info = env.step(f"search[{query}]")
     assert reward == 0.0 and not terminated
     assert env.render() == obs
 
@@ -89,11 +96,11 @@ def test_a_product_title_finds_that_product(catalog) -> None:
 
 # ---------------------------------------------------------------- reward (hand-computed)
 def _hoodie(**kw) -> Product:
-    base = dict(asin="B0TEST0001", title="Acme Classic Hoodie, Machine Wash", category="fashion", query="hoodie",
-                product_category="Clothing › Fashion › Hoodie", description="Acme hoodie. Highlights: soft.",
-                bullet_points=("Machine wash",), attributes=("machine wash", "fleece lined"),
-                options=(("color", ("black", "navy")), ("size", ("small", "large"))), price=30.0,
-                price_text="$30.00")
+    base = {"asin": "B0TEST0001", "title": "Acme Classic Hoodie, Machine Wash", "category": "fashion", "query": "hoodie",
+                "product_category": "Clothing › Fashion › Hoodie", "description": "Acme hoodie. Highlights: soft.",
+                "bullet_points": ("Machine wash",), "attributes": ("machine wash", "fleece lined"),
+                "options": (("color", ("black", "navy")), ("size", ("small", "large"))), "price": 30.0,
+                "price_text": "$30.00"}
     return Product(**{**base, **kw})
 
 
@@ -151,7 +158,7 @@ def _oracle(env: WebShopEnv) -> float:
     env.step(f"click[{goal.asin}]")
     for value in goal.options:
         env.step(f"click[{value}]")
-    _, reward, terminated, _, info = env.step("click[buy now]")
+    _, reward, terminated, _, _info = env.step("click[buy now]")
     assert terminated
     return reward
 
@@ -179,7 +186,7 @@ def test_pages_navigation_and_listed_actions() -> None:
     obs, _, _, _, info = env.step(item.upper())  # case-insensitive
     assert info["page"] == "item" and "click[buy now]" in env.action_names
     assert "Selected: none" in obs
-    option = [a for a in env.action_names if a not in ("click[back to search]", "click[< prev]", "click[buy now]")][0]
+    option = next(a for a in env.action_names if a not in ("click[back to search]", "click[< prev]", "click[buy now]"))
     obs, _, _, _, info = env.step(option)
     assert info["action_is_effective"] and f": {option[6:-1]}" in obs.split("Selected: ")[1]
     _, _, _, _, info = env.step(option)
@@ -211,7 +218,7 @@ def test_wrong_purchase_scores_below_one() -> None:
     env = make("WebShop")
     env.reset(seed=5)
     env.step(f"search[{env.goal.query}]")
-    other = [a for a in env.action_names if a.startswith("click[b0") and a != f"click[{env.goal.asin.lower()}]"][0]
+    other = next(a for a in env.action_names if a.startswith("click[b0") and a != f"click[{env.goal.asin.lower()}]")
     env.step(other)
     _, reward, terminated, _, info = env.step("click[buy now]")  # no options chosen: cannot be 1
     assert terminated and 0.0 <= reward < 1.0 and not info["success"]
