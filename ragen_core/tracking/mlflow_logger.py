@@ -12,8 +12,9 @@ when the tracking server is unreachable or dies mid-run. Each call first appends
 pending entry in as few ``MlflowClient.log_batch`` calls as MLflow's limits allow
 (1000 metrics / 100 params / 100 tags per call; on sqlite each separate call costs
 ~4 ms, a batch of 100 metrics about the same). On any failure it warns once per
-outage, waits ``retry_interval_s`` before trying again, and keeps logging locally;
-``flush()`` and ``close()`` always try. A run that cannot be created yet (server down at
+outage, keeps logging locally, and tries again on a later call after ``retry_interval_s``
+(doubling per failed attempt, up to 10x); ``flush()`` and ``close()`` always try, so
+call them at the end rather than every iteration. A run that cannot be created yet (server down at
 start) is created when the server is reachable; ``run_id`` is None until then.
 
 Always the explicit ``run_id`` with ``MlflowClient``, never the fluent active run: it is
@@ -47,8 +48,11 @@ MAX_PARAMS_TAGS_PER_BATCH = 100
 
 # MLflow's HTTP defaults are 120 s per request and 7 retries with exponential back-off
 # (minutes per call against a dead server). The outbox is our retry loop, so one short
-# attempt per call is right; set only when the user has not chosen their own values.
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+# attempt per call is right. A refused connection fails in milliseconds; a hung server
+# costs at most the 5 s timeout per attempt, and attempts thin out (see _deliver).
+# Set in os.environ (MLflow reads them per request) only where the user chose nothing.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+MAX_BACKOFF_FACTOR = 10  # waits grow retry_interval_s x 1, 2, 4, 8, 10, 10, ... during one outage
 
 
 def default_tracking_uri() -> str:
@@ -119,7 +123,7 @@ class MLflowLogger:
         self._client: MlflowClient | None = None
         self._params: dict[str, str] | None = None  # params already on the server (immutable there)
         self._lock = threading.RLock()
-        self._failing = False
+        self._failures = 0  # consecutive failed attempts (0 = healthy)
         self._retry_at = 0.0
         self._closed = False
         if (self._run_id is not None or not fresh) and not drain_only:
@@ -210,19 +214,20 @@ class MLflowLogger:
                 self._ensure_run()
                 self._send_pending()
             except Exception as exc:  # noqa: BLE001 -- no tracking failure may stop training
-                self._retry_at = time.monotonic() + self.retry_interval_s
-                if not self._failing:
-                    self._failing = True
+                self._failures += 1
+                factor = min(2 ** (self._failures - 1), MAX_BACKOFF_FACTOR)
+                self._retry_at = time.monotonic() + self.retry_interval_s * factor
+                if self._failures == 1:  # one warning per outage
                     log.warning(
                         "MLflow tracking at %s is unreachable or failing (%s: %s). Training goes on; "
                         "metrics are kept locally in %s and will be delivered when it is back "
-                        "(next try in %.0f s, and at flush/close).",
+                        "(retried every %.0f-%.0f s, and at flush/close).",
                         self.tracking_uri, type(exc).__name__, _short(exc), self._outbox.path,
-                        self.retry_interval_s,
+                        self.retry_interval_s, self.retry_interval_s * MAX_BACKOFF_FACTOR,
                     )
                 return False
-            if self._failing:
-                self._failing = False
+            if self._failures:
+                self._failures = 0
                 log.info("MLflow tracking at %s is reachable again; pending entries delivered", self.tracking_uri)
             return True
 
@@ -306,11 +311,12 @@ class MLflowLogger:
                     params.update(self._new_params(e["params"]))
                 else:
                     tags.update(e["tags"])
-            client.log_batch(
-                run_id, metrics=metrics,
-                params=[Param(k, v) for k, v in params.items()],
-                tags=[RunTag(k, v) for k, v in tags.items()],
-            )
+            if metrics or params or tags:  # all params may have been on the server already
+                client.log_batch(
+                    run_id, metrics=metrics,
+                    params=[Param(k, v) for k, v in params.items()],
+                    tags=[RunTag(k, v) for k, v in tags.items()],
+                )
             self._params.update(params)
         elif kind == "text":
             client.log_text(run_id, entries[0]["text"], entries[0]["artifact_file"])

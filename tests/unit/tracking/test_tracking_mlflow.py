@@ -175,6 +175,7 @@ def test_resume_continues_the_same_run(uri: str, tmp_path: Path, caplog: pytest.
     second = MLflowLogger(uri, "resume", run_id=first.run_id, outbox_dir=tmp_path / "b", tags={"resumed": "yes"})
     assert second.run_id == first.run_id
     assert client.get_run(first.run_id).info.status == "RUNNING"  # set back to RUNNING
+    second.log_params({"seed": 1})  # already there with this value: nothing to send, no error
     second.log_params({"trainer.iterations": 5, "seed": 1, "new": "x"})  # same value: fine; changed: skipped
     for step in range(3, 5):
         second.log_metrics({"env/success": step / 10}, step=step)
@@ -243,6 +244,21 @@ def test_dead_server_never_raises_then_the_run_is_created_later(
     assert [s for s, _ in history(client, run.info.run_id, "env/success")] == [0, 1, 2, 3, 4]
     assert deliver_pending(tmp_path, uri) == 0  # nothing left, nothing sent twice
     assert len(history(client, run.info.run_id, "env/success")) == 5
+
+
+@pytest.mark.timeout(60)
+def test_hung_server_costs_one_timeout_not_a_stall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")  # MLflow reads it per request
+    with socket.socket() as hung:  # listens (the kernel completes connections) but never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        log = MLflowLogger(f"http://127.0.0.1:{hung.getsockname()[1]}", outbox_dir=tmp_path, retry_interval_s=3600.0)
+        for step in range(20):  # within the back-off: recorded locally, no network wait
+            log.log_metrics({"env/success": 0.5}, step=step)
+    assert log.run_id is None and log.pending_count == 20
+    assert len(warnings_of(caplog)) == 1 and "Timeout" in warnings_of(caplog)[0]
 
 
 def test_short_http_defaults_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

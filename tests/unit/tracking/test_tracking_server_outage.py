@@ -121,7 +121,7 @@ def test_server_killed_mid_run_and_restarted_loses_nothing(
         log.log_metrics(metrics(step), step)
         log.log_text(f"samples of step {step}", f"samples/iter_{step:04d}.txt")
         slowest = max(slowest, time.monotonic() - t0)
-        time.sleep(0.25)  # past the back-off, so each step really retries the dead server
+        time.sleep(0.25)  # lets later steps retry the dead server (back-off 0.2 s, doubling)
     print(f"slowest logging call while the server was down: {slowest * 1000:.1f} ms")
     assert log.pending_count == 10
     warnings = [r for r in caplog.records if r.name == tracking_log.name and r.levelno == logging.WARNING]
