@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from ragen_core.config import RolloutConfig
 
-__all__ = ["build_token_batch", "trajectory_row"]
+__all__ = ["build_token_batch", "mask_problems", "trajectory_row"]
 
 
 def trajectory_row(traj: Trajectory, renderer: ChatRenderer, window_turns: int | None = None,
@@ -154,3 +154,40 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
             return value
     return 0
 
+
+
+def mask_problems(batch: TokenBatch, trajectories: Sequence[Trajectory], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """What is wrong with ``batch``'s masks for ``trajectories`` (empty when nothing is).
+
+    Independent of how the rows were built: it only uses the trajectories and the tokenizer.
+    A row cut from the left (``_cut_left``) is reported, since its first kept reply is partial.
+    A reply that quotes an observation is not counted as env text under the mask.
+    """
+    problems: list[str] = []
+    for b, t in enumerate(trajectories):
+        ids, mask, tids = batch.input_ids[b], batch.loss_mask[b], batch.turn_ids[b]
+        kept = range(t.dropped_turns, len(t.turns))
+        where = f"row {b} (env {t.env_tag}, seed {t.seed})"
+        if ids[mask].tolist() != [i for k in kept for i in t.turns[k].response_ids]:
+            problems.append(f"{where}: masked ids are not the sampled ids of turns {list(kept)}")
+        if batch.old_logprobs[b][mask].tolist() != [x for k in kept for x in t.turns[k].logprobs]:
+            problems.append(f"{where}: old_logprobs are not the sampled log-probs")
+        if batch.old_logprobs[b][~mask].any():
+            problems.append(f"{where}: old_logprobs non-zero outside the loss mask")
+        for k in kept:
+            turn = t.turns[k]
+            text = tokenizer.decode(ids[mask & (tids == k)].tolist())
+            if text != tokenizer.decode(list(turn.response_ids)):
+                problems.append(f"{where}: turn {k} masked text {text!r} is not the reply")
+        unmasked = tokenizer.decode(ids[~mask & batch.attention_mask[b]].tolist())
+        masked = tokenizer.decode(ids[mask].tolist())
+        for k in kept:
+            obs = t.turns[k].observation.strip()
+            if obs not in unmasked or (obs and obs in masked and obs not in t.turns[k].response_text):
+                problems.append(f"{where}: observation of turn {k} is missing from the prompt or masked")
+        n = int(batch.attention_mask[b].sum())
+        if not batch.attention_mask[b, :n].all() or mask[n:].any() or (tids[n:] != -1).any() or (tids[:n] < 0).any():
+            problems.append(f"{where}: padding is not right-aligned, or is trained or has a turn id")
+        if int(batch.turn_ends[b].sum()) != sum(1 for k in kept if t.turns[k].response_ids):
+            problems.append(f"{where}: turn_ends does not mark one token per kept turn")
+    return problems
