@@ -228,10 +228,16 @@ def price_upper_for(price: float, rng: np.random.Generator) -> float:
 _OPENERS = ("i am looking for", "i need", "i want to buy", "find me", "i would like")
 
 
-def make_goal(catalog: Catalog, rng: np.random.Generator) -> Goal:
-    """A fixed goal of the catalogue if it has any, else a new instruction for a random product."""
+def make_goal(catalog: Catalog, rng: np.random.Generator, split: tuple[int, int] | None = None) -> Goal:
+    """A fixed goal of the catalogue (from ``goals[start:stop]`` when ``split`` is given) if it has
+    any, else a new instruction for a random product."""
     if catalog.goals:
-        return catalog.goals[int(rng.integers(len(catalog.goals)))]
+        pool = catalog.goals[split[0]:split[1]] if split else catalog.goals
+        if not pool:
+            raise ValueError(f"goal split {split} is empty: the catalogue has {len(catalog.goals)} goals")
+        return pool[int(rng.integers(len(pool)))]
+    if split is not None:
+        raise ValueError("goal_split needs a catalogue with fixed goals (the original WebShop files)")
     p = catalog.products[int(rng.integers(len(catalog.products)))]
     k = int(rng.integers(1, min(3, len(p.attributes)) + 1)) if p.attributes else 0
     attrs = _pick(rng, p.attributes, k) if k else ()

@@ -15,8 +15,11 @@ Actions are free text (``free_form_actions``): ``search``/``click`` are case-ins
 click targets are matched case-insensitively against the page's clickables, anything else
 (unknown target, search off the search page, a query with no words, a query over
 ``max_query_chars``) is an invalid action with no state change. The episode's goal comes from
-the seed; the catalogue from ``catalog_seed`` (or the original WebShop JSON files when
-``products_path`` is given: see webshop/loader.py).
+the seed; the catalogue from ``catalog_seed`` and ``num_products`` (default 1,200), or from
+the original WebShop JSON files when ``products_path`` is given (all products unless
+``num_products`` says otherwise; see webshop/loader.py). With fixed goals (the JSON files),
+``goal_split=(start, stop)`` draws goals only from ``goals[start:stop]``, e.g. WebShop's test
+split ``(0, 500)``.
 
     from ragen_core.envs import make
     env = make("WebShop"); obs, _ = env.reset(seed=0); print(obs)
@@ -39,6 +42,8 @@ from ragen_core.envs.webshop.reward import PurchaseScore, score_purchase
 __all__ = ["WebShopEnv"]
 
 BACK, NEXT, PREV, BUY = "back to search", "next >", "< prev", "buy now"
+DEFAULT_PRODUCTS = 1200
+"""Size of the generated catalogue unless ``num_products`` says otherwise (SPEC: >= 1,000)."""
 _ACTION = re.compile(r"(search|click)\s*\[(.*)\]", re.IGNORECASE | re.DOTALL)
 
 
@@ -59,7 +64,7 @@ class WebShopEnv(TextEnv):
     def __init__(
         self,
         *,
-        num_products: int = 1200,
+        num_products: int | None = None,
         catalog_seed: int = 0,
         products_path: str | os.PathLike[str] | None = None,
         attributes_path: str | os.PathLike[str] | None = None,
@@ -68,6 +73,7 @@ class WebShopEnv(TextEnv):
         results_per_page: int = 10,
         max_results: int = 50,
         max_query_chars: int = 500,
+        goal_split: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(max_steps=max_steps)
         self.num_products, self.catalog_seed = num_products, catalog_seed
@@ -77,6 +83,9 @@ class WebShopEnv(TextEnv):
             raise ValueError("attributes_path / human_goals_path need products_path")
         self.results_per_page, self.max_results = results_per_page, max_results
         self.max_query_chars = max_query_chars
+        if goal_split is not None and not 0 <= goal_split[0] < goal_split[1]:
+            raise ValueError(f"goal_split must be (start, stop) with 0 <= start < stop, got {goal_split}")
+        self.goal_split = goal_split
         self.reward_range = (0.0, 1.0)
         self._goal: Goal | None = None
         self._page = "search"
@@ -92,9 +101,8 @@ class WebShopEnv(TextEnv):
         """The product catalogue (built on first use, shared by envs of this process)."""
         products, attributes, human = self.paths
         if products is None:
-            return get_generated_catalog(self.catalog_seed, self.num_products)
-        n = None if self.num_products <= 0 else self.num_products
-        return _cached_json_catalog(products, attributes, human, n, self.catalog_seed, os.getpid())
+            return get_generated_catalog(self.catalog_seed, self.num_products or DEFAULT_PRODUCTS)
+        return _cached_json_catalog(products, attributes, human, self.num_products, self.catalog_seed, os.getpid())
 
     @property
     def goal(self) -> Goal:
@@ -145,7 +153,7 @@ class WebShopEnv(TextEnv):
         return super().sample_action(rng)
 
     def _reset(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
-        self._goal = make_goal(self.catalog, rng)
+        self._goal = make_goal(self.catalog, rng, self.goal_split)
         self._page, self._query, self._results, self._page_no = "search", "", [], 1
         self._asin, self._chosen, self._bought = None, {}, None
         return {"goal_asin": self._goal.asin, "price_upper": self._goal.price_upper}

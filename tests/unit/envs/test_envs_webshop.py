@@ -272,3 +272,17 @@ def test_env_on_the_original_files() -> None:
 def test_paths_need_a_products_file() -> None:
     with pytest.raises(ValueError):
         make("WebShop", human_goals_path=FIXTURES / "items_human_ins_mini.json")
+
+
+def test_goal_split_and_default_size() -> None:
+    paths = {"products_path": FIXTURES / "items_shuffle_mini.json",
+             "attributes_path": FIXTURES / "items_ins_v2_mini.json",
+             "human_goals_path": FIXTURES / "items_human_ins_mini.json"}
+    env = make("WebShop", goal_split=(1, 2), **paths)
+    assert {(env.reset(seed=s), env.goal.asin)[1] for s in range(8)} == {"B0FIX00004"}  # goals[1:2] only
+    assert len(env.catalog) == 4  # a JSON catalogue is not cut to the generated default size
+    with pytest.raises(ValueError):
+        make("WebShop", goal_split=(0, 10)).reset(seed=0)  # generated catalogue: no fixed goals
+    with pytest.raises(ValueError):
+        make("WebShop", goal_split=(5, 9), **paths).reset(seed=0)  # empty slice
+    assert len(make("WebShop").catalog) == 1200
