@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -207,3 +208,15 @@ def test_dynamics_seed_keeps_layout_and_changes_luck() -> None:
         assert info["arms"] == make("Bandit").reset(seed=9)[1]["arms"]
         payouts.add(env.step("Dragon")[1])
     assert payouts == {0.0, 1.0}
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_gymnasium_env_checker(name: str) -> None:
+    # gymnasium's own API checker (reset/step signatures, seeding, spaces). max_steps=None because
+    # its random Text actions are invalid here, and a 1-step budget trips its "truncates after
+    # 1 step" heuristic for the single-answer envs.
+    from gymnasium.utils.env_checker import check_env
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # render_fps / spec notices do not apply to text envs
+        check_env(make(name, max_steps=None), skip_render_check=True)
