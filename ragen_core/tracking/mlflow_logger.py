@@ -260,37 +260,37 @@ class MLflowLogger:
             return exp.experiment_id
 
     def _send_pending(self) -> None:
+        """Send pending entries in order, batched; raises on an outage, sets refused entries aside."""
         entries = self._outbox.pending()
         i = 0
         while i < len(entries):
             n = _batch_length(entries, i)
-            try:
-                self._send(entries[i : i + n])
-            except Exception as exc:
-                if not _is_rejection(exc):
-                    raise
-                if n > 1:  # find the refused entry: send this batch's entries one by one
-                    n = 1
-                    try:
-                        self._send(entries[i : i + 1])
-                    except Exception as exc1:
-                        if not _is_rejection(exc1):
-                            raise
-                        self._reject(exc1)
-                        i += 1
-                        continue
-                else:
-                    self._reject(exc)
-                    i += 1
-                    continue
-            self._outbox.mark_delivered(n)
+            refused = self._try_send(entries[i : i + n])
+            if refused is not None and n > 1:  # which entry? retry the first one alone
+                n = 1
+                refused = self._try_send(entries[i : i + 1])
+            if refused is None:
+                self._outbox.mark_delivered(n)
+            else:
+                self._reject(refused)
             i += n
 
-    def _reject(self, exc: Exception) -> None:
-        self._outbox.reject(1, _short(exc))
+    def _try_send(self, entries: list[dict[str, Any]]) -> str | None:
+        """None when delivered; the server's reason when it refused (4xx); raises on anything else."""
+        try:
+            self._send(entries)
+        except Exception as exc:
+            if not _is_rejection(exc):
+                raise
+            return _short(exc)
+        return None
+
+    def _reject(self, reason: str) -> None:
+        """Set the first pending entry aside: retrying what the server refuses would block the rest."""
+        self._outbox.reject(1, reason)
         log.warning(
             "MLflow tracking at %s refused an entry (%s); it is saved in %s",
-            self.tracking_uri, _short(exc), self._outbox.rejected_path,
+            self.tracking_uri, reason, self._outbox.rejected_path,
         )
 
     def _send(self, entries: list[dict[str, Any]]) -> None:

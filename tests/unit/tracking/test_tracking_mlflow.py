@@ -205,19 +205,24 @@ def test_nested_run_has_parent_tag(uri: str, tmp_path: Path) -> None:
 
 
 def test_refused_entry_is_set_aside_and_the_rest_still_arrives(
-    uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    uri: str, tmp_path: Path, sent: Sent, caplog: pytest.LogCaptureFixture
 ) -> None:
-    log = MLflowLogger(uri, "refused", run_name="x", outbox_dir=tmp_path)
-    log.set_tags({"bad\x00key": "v"})  # MLflow refuses this tag key (400), so retrying cannot help
-    log.log_metrics({"env/success": 1.0}, step=0)
+    log = MLflowLogger(uri, "refused", run_name="x", outbox_dir=tmp_path, retry_interval_s=3600.0)
+    sent.down = True  # queue everything, so the bad entry sits inside a multi-entry batch
+    log.log_metrics({"env/success": 0.0}, step=0)
+    log.set_tags({"bad\x00key": "v"})  # MLflow refuses this tag key (400): retrying cannot help
+    log.log_metrics({"env/success": 1.0}, step=1)
     log.log_artifact(tmp_path / "missing.bin")  # gone by delivery time
+    sent.down = False
     log.close()
     client = MlflowClient(uri)
-    assert history(client, log.run_id, "env/success") == [(0, 1.0)]
+    assert history(client, log.run_id, "env/success") == [(0, 0.0), (1, 1.0)]
+    assert set(sent.points.values()) == {1}
     assert client.get_run(log.run_id).info.status == "FINISHED"
     rejected = (tmp_path / "tracking-rejected.jsonl").read_text().splitlines()
     assert len(rejected) == 2 and "bad" in rejected[0] and "missing.bin" in rejected[1]
     assert sum("refused an entry" in w for w in warnings_of(caplog)) == 2
+    assert log.pending_count == 0
 
 
 def test_dead_server_never_raises_then_the_run_is_created_later(
