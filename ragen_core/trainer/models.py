@@ -96,7 +96,7 @@ def build_policy_models(cfg: ExperimentConfig, base: nn.Module | None = None) ->
     ``base`` is the loaded causal LM; None loads ``cfg.model.name`` with
     ``ragen_core.models.load_model``. A given ``base`` is copied, never modified.
     Parameter initialisation of new heads draws from torch's global RNG, so seed
-    it first (``TrainState`` does).
+    it first (``init_state`` does).
     """
     mcfg, acfg = cfg.model, cfg.algorithm
     device = resolve_device(mcfg.device)

@@ -51,14 +51,19 @@ def seed_everything(seed: int) -> None:
 
 
 def init_state(cfg: ExperimentConfig, base: nn.Module | None = None) -> TrainState:
-    """A fresh TrainState for ``cfg``: seeds every RNG from ``cfg.trainer.seed``, then builds models and engines.
+    """A fresh TrainState for ``cfg``: models and engines built, every global RNG seeded from ``cfg.trainer.seed``.
 
     ``base``: an already loaded causal LM to start from (copied, not modified);
     None loads ``cfg.model.name``.
     """
     if cfg.trainer.threads is not None:
         torch.set_num_threads(cfg.trainer.threads)
-    seed_everything(cfg.trainer.seed)
-    models = build_policy_models(cfg, base)
+    # New heads are initialised from their own seeded torch stream; the global RNGs are seeded after
+    # building, because loading a model may draw from them (only the first time in a process, e.g.
+    # tokenizer training), and the run's stream must not depend on that.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.trainer.seed)
+        models = build_policy_models(cfg, base)
     actor_engine, critic_engine = make_engines(models, cfg)
+    seed_everything(cfg.trainer.seed)
     return TrainState(cfg=cfg, models=models, actor_engine=actor_engine, critic_engine=critic_engine)
