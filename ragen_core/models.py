@@ -164,7 +164,9 @@ def _parse_spec(spec: str) -> _Spec:
             )
         return _Spec("tiny", seed=int(seed_text))
     path = Path(text).expanduser()
-    if text and (path.exists() or text.startswith(("/", ".", "~")) or os.sep + os.sep in text):
+    # A Hugging Face id is exactly "org/name"; anything else path-shaped is a directory.
+    looks_like_path = text.startswith(("/", ".", "~")) or text.count("/") > 1
+    if text and (path.exists() or looks_like_path):
         return _Spec("dir", value=str(path))
     if _HF_ID.match(text):
         return _Spec("hf", value=text)

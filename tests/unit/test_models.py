@@ -532,6 +532,7 @@ def test_failed_download_says_what_to_do(data_root: Path, monkeypatch: pytest.Mo
         ("tiny-random:abc", "integer"),
         ("tiny-random:-1", "integer"),
         ("./no/such/dir", "does not exist"),
+        ("no/such/dir", "does not exist"),
     ],
 )
 def test_bad_specs_raise_clear_errors(data_root: Path, spec: str, message: str) -> None:
@@ -576,3 +577,21 @@ def test_data_dir_defaults_to_cwd_data(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path / "elsewhere"))
     assert models.models_dir() == tmp_path / "elsewhere" / "models"
     assert models.models_dir().is_dir()
+
+
+def test_hub_download_only_when_opted_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    calls: list[bool] = []
+
+    def fake_snapshot(repo_id: str, *, local_files_only: bool) -> str:
+        calls.append(local_files_only)
+        (tmp_path / "config.json").write_text("{}")
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    monkeypatch.delenv("RAGEN_HUB_DOWNLOAD", raising=False)
+    models.resolve_model("Org/name")
+    monkeypatch.setenv("RAGEN_HUB_DOWNLOAD", "1")
+    models.resolve_model("Org/name")
+    assert calls == [True, False]
