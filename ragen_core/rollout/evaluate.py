@@ -2,7 +2,7 @@
 
     from ragen_core.rollout.evaluate import evaluate, heldout_seeds
     result = evaluate(cfg.eval_envs, generator, tokenizer, cfg.rollout, heldout_seeds(256, 123), n_per_seed=4)
-    result.metrics["val/Bandit/success"], result.metrics["val/Bandit/pass@4"]
+    result.metrics["val/Bandit/success"], result.metrics["val/Bandit/pass_at_4"]
 
 Every seed is one group of ``n_per_seed`` trajectories (members draw their own env luck, as in
 training). ``success`` is the mean over all trajectories (pass@1 estimated with all N samples);
@@ -40,7 +40,7 @@ class EvalResult:
     """Metrics and the trajectories they were computed from."""
 
     metrics: dict[str, float]
-    """``<prefix>/<tag>/success``, ``/return``, ``/total_return``, ``/pass@N`` per env, and ``<prefix>/success`` overall."""
+    """``<prefix>/<tag>/success``, ``/return``, ``/total_return``, ``/pass_at_N`` per env, and ``<prefix>/success`` overall."""
     trajectories: tuple[Trajectory, ...]
 
 
@@ -77,7 +77,7 @@ def evaluate(
         metrics[f"{prefix}/{tag}/success"] = sum(t.success for t in trajs) / len(trajs)
         metrics[f"{prefix}/{tag}/return"] = sum(t.env_return for t in trajs) / len(trajs)
         metrics[f"{prefix}/{tag}/total_return"] = sum(t.total_return for t in trajs) / len(trajs)
-        metrics[f"{prefix}/{tag}/pass@{n_per_seed}"] = pass_at_n(trajs)
+        metrics[f"{prefix}/{tag}/pass_at_{n_per_seed}"] = pass_at_n(trajs)
         trajectories += trajs
     if trajectories:
         metrics[f"{prefix}/success"] = sum(t.success for t in trajectories) / len(trajectories)

@@ -4,7 +4,7 @@
     logger.log_metrics(rollout_metrics(trajs), step=it)
 
 Keys: ``env/<tag>/success``, ``env/<tag>/return`` (env reward, penalties excluded),
-``env/<tag>/total_return`` (with penalties); ``rollout/pass@N`` (share of prompt groups where any
+``env/<tag>/total_return`` (with penalties); ``rollout/pass_at_N`` (share of prompt groups where any
 of their N trajectories succeeded), ``rollout/reward_std_groups_mean`` (in-group std of the raw
 return, unbiased as in the StarPO-S filter, averaged over groups of 2 or more),
 ``rollout/actions_per_episode``, ``rollout/turns_per_episode``, ``rollout/valid_action_ratio``
@@ -70,7 +70,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     executed = sum(t.n_actions for t in trajectories)
     recognised = named - sum(sum(t.meta.get("unknown_actions", [])) for t in trajectories)
     out.update({
-        f"rollout/pass@{n}": pass_at_n(trajectories),
+        f"rollout/pass_at_{n}": pass_at_n(trajectories),
         "rollout/reward_std_groups_mean": group_reward_std(trajectories),
         "rollout/return_mean": _mean([t.total_return for t in trajectories]),
         "rollout/success": _mean([float(t.success) for t in trajectories]),

@@ -43,7 +43,7 @@ def test_rollout_metrics_golden() -> None:
         "env/A/success": 1 / 4, "env/A/return": 1.0 / 4, "env/A/total_return": (1.0 - 0.1 - 0.1 + 0.0) / 4,
         "env/B/success": 1.0, "env/B/return": 0.5, "env/B/total_return": 0.5,
         # groups (A,0) pass, (A,1) fail, (B,0) pass; N = largest group = 2
-        "rollout/pass@2": 2 / 3,
+        "rollout/pass_at_2": 2 / 3,
         # unbiased std of [1, 0] = sqrt(0.5) = 0.70711, of [0, 0] = 0; the singleton group (B,0) is skipped
         "rollout/reward_std_groups_mean": (0.5**0.5 + 0.0) / 2,
         "rollout/return_mean": (1.0 - 0.1 - 0.1 + 0.0 + 0.5) / 5,
@@ -80,9 +80,9 @@ def test_evaluate_fixed_seeds_temperature_and_pass_at_n() -> None:
             env.reset(seed=seed, options={"dynamics_seed": member})
             payouts.append(env.step("Dragon")[1])
     m = result.metrics
-    assert m["val/Bandit/success"] == 1.0 and m["val/Bandit/pass@3"] == 1.0
+    assert m["val/Bandit/success"] == 1.0 and m["val/Bandit/pass_at_3"] == 1.0
     assert m["val/Bandit/return"] == pytest.approx(sum(payouts) / 12)
-    assert m["val/rev/success"] == 0.0 and m["val/rev/pass@3"] == 0.0
+    assert m["val/rev/success"] == 0.0 and m["val/rev/pass_at_3"] == 0.0
     assert m["val/rev/return"] == pytest.approx(0.15)
     assert m["val/success"] == pytest.approx(0.5)
     assert len(result.trajectories) == 24 and {t.seed for t in result.trajectories} == set(seeds)
