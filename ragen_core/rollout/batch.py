@@ -118,8 +118,16 @@ def build_token_batch(
     """One row per trajectory, right-padded to the longest row (module docstring)."""
     if not trajectories:
         raise ValueError("build_token_batch needs at least one trajectory")
-    renderer = renderer or ChatRenderer(tokenizer, rollout_cfg.system_prompt)
-    rows = [trajectory_row(t, renderer, rollout_cfg.window_turns, max_length) for t in trajectories]
+    renderers = {rollout_cfg.system_prompt: renderer or ChatRenderer(tokenizer, rollout_cfg.system_prompt)}
+
+    def renderer_for(t: Trajectory) -> ChatRenderer:
+        # a re-rendered head must carry the system prompt the rollout used
+        system = t.meta.get("system_prompt", rollout_cfg.system_prompt)
+        if system not in renderers:
+            renderers[system] = ChatRenderer(tokenizer, system)
+        return renderers[system]
+
+    rows = [trajectory_row(t, renderer_for(t), rollout_cfg.window_turns, max_length) for t in trajectories]
     width = max(len(r) for r in rows)
     pad = _pad_id(tokenizer)
     B = len(rows)

@@ -16,10 +16,12 @@ episodes). Per reply (SPEC §3):
 * parse it (``parse.parse_response``), match each action with ``env.match_action``
   (case-insensitive; free-form envs judge their own text);
 * run the recognised actions in order until the episode ends; unknown ones are skipped;
-  the turn's reward is the sum of the env rewards;
-* format penalty (``format_penalty``, −0.1) when the reply does not parse, has no recognised
-  action, or names an unknown action; otherwise the optional ``format_reward`` credit. It is
-  stored in ``Turn.penalty`` and adds to ``Trajectory.total_return``;
+  the turn's reward is the sum of the env rewards. An action the env rejects when stepping
+  (``info["invalid_action"]``, e.g. Countdown text that is no expression) counts as unknown:
+  it spends budget but is not in ``Turn.actions``;
+* format penalty (``format_penalty``, −0.1) when the reply does not parse, has no valid
+  action, or names an unknown action (the valid ones still run); otherwise the optional
+  ``format_reward`` credit. It is stored in ``Turn.penalty`` and adds to ``Trajectory.total_return``;
 * the episode ends when the env is done (terminated or its own truncation), when
   ``max_actions_per_episode`` actions have run, or after ``max_turns`` turns (truncated).
   If even the instruction and the newest turn no longer fit the context, it ends truncated
@@ -122,8 +124,9 @@ def run_rollouts(
     """Play ``len(seeds)`` groups × ``n_per_group`` episodes; trajectories in (group, member) order.
 
     ``temperature`` defaults to ``rollout_cfg.temperature``; ``group_id`` of seed i is
-    ``group_offset + i``; ``sampling_seed`` makes sampling reproducible (per-turn seeds derived
-    from it); ``model_max_length`` feeds :func:`context_limit`.
+    ``group_offset + i``; ``sampling_seed`` makes sampling reproducible (per-turn seeds are derived
+    from it, so give each iteration its own, e.g. ``trainer.seed * 100_003 + iteration``);
+    ``model_max_length`` (``model.config.max_position_embeddings``) feeds :func:`context_limit`.
     """
     from ragen_core.rollout.generators.base import SamplingParams
 
@@ -215,18 +218,21 @@ def _apply_reply(ep: _Episode, gen: Generation, renderer: ChatRenderer, cfg: Rol
     text = renderer.decode_reply(gen.token_ids)
     parsed = parse_response(text, think=cfg.think, max_actions=cfg.max_actions_per_turn)
     matched = match_actions(parsed.actions, ep.env.match_action)
-    obs_before, reward, executed, effective = ep.obs, 0.0, [], 0
+    obs_before, reward, executed, effective, rejected = ep.obs, 0.0, [], 0, 0
     for action in matched.valid:
         if ep.actions_used >= cfg.max_actions_per_episode or ep.terminated or ep.truncated:
             break
         ep.obs, r, terminated, truncated, info = ep.env.step(action)
-        ep.actions_used += 1
+        ep.actions_used += 1  # a rejected action still spends budget, as it spends the env's steps
         reward += float(r)
-        executed.append(action)
+        if info.get("invalid_action", False):
+            rejected += 1  # a free-form env judged the text (e.g. not an expression): an unknown action
+        else:
+            executed.append(action)
         effective += bool(info.get("action_is_effective", False))
         ep.success = ep.success or bool(info.get("success", False))
         ep.terminated, ep.truncated = bool(terminated), bool(truncated) and not terminated
-    ok = parsed.ok and not matched.unknown and bool(matched.valid)
+    ok = parsed.ok and not matched.unknown and not rejected and bool(executed)
     ep.turns.append(Turn(
         observation=obs_before, prompt_ids=ep.prompts[-1], response_ids=tuple(int(i) for i in gen.token_ids),
         logprobs=tuple(float(x) for x in gen.logprobs), response_text=text, actions=tuple(executed),
@@ -235,7 +241,7 @@ def _apply_reply(ep: _Episode, gen: Generation, renderer: ChatRenderer, cfg: Rol
         n_effective_actions=effective,
     ))
     ep.named.append(len(parsed.actions))
-    ep.unknown.append(len(matched.unknown))
+    ep.unknown.append(len(matched.unknown) + rejected)
     out_of_budget = ep.actions_used >= cfg.max_actions_per_episode or len(ep.turns) >= cfg.max_turns
     if not ep.terminated and out_of_budget:
         ep.truncated = True

@@ -149,6 +149,9 @@ def test_window_rows_are_the_last_context(tok: PreTrainedTokenizerBase) -> None:
     trajs = run_rollouts(SOKOBAN, gen, tok, cfg, seeds=[3], n_per_group=2)
     batch = build_token_batch(trajs, tok, cfg)
     check_masks(batch, trajs, tok)
+    # the re-rendered head uses the rollout's system prompt (in meta), whatever the builder's config says
+    other = build_token_batch(trajs, tok, dataclasses.replace(cfg, system_prompt="another system prompt"))
+    assert torch.equal(other.input_ids, batch.input_ids)
     for b, t in enumerate(trajs):
         assert t.dropped_turns == len(t.turns) - 2
         row = batch.input_ids[b][batch.attention_mask[b]].tolist()

@@ -190,3 +190,11 @@ def test_free_form_env_countdown(tok: PreTrainedTokenizerBase) -> None:
     (t,) = run_rollouts(EnvConfig(name="Countdown"), gen, tok, RolloutConfig(), seeds=[1], n_per_group=1)
     assert t.turns[0].actions == ("(1 + 2) * 3",) and t.terminated and len(t.turns) == 1
     assert "Available actions" not in tok.decode(list(t.turns[0].prompt_ids))
+
+
+def test_free_form_action_rejected_by_the_env_is_penalised(tok: PreTrainedTokenizerBase) -> None:
+    gen = ScriptedGenerator(tok, "<think>no idea</think><answer>hello there</answer>")
+    (t,) = run_rollouts(EnvConfig(name="Countdown"), gen, tok, RolloutConfig(), seeds=[1], n_per_group=1)
+    first = t.turns[0]
+    assert (first.actions, first.parse_ok, first.penalty, first.reward) == ((), False, -0.1, 0.0)
+    assert t.meta["named_actions"][0] == 1 and t.meta["unknown_actions"][0] == 1
