@@ -1,0 +1,384 @@
+"""One training run as plain Python: the steps that flows/train.py chains as Prefect tasks.
+
+    from ragen_core.config import load_experiment
+    from ragen_core.session import open_session, run_iteration, finish
+    from ragen_core.tracking import NullLogger
+
+    sess = open_session(load_experiment("experiments/smoke.yaml"), NullLogger())
+    while not sess.done:
+        run_iteration(sess)          # rollout -> filter -> update -> (evaluate) -> log -> (checkpoint)
+    finish(sess)
+
+Each step is its own function (collect_rollouts, select_groups, update_policy, evaluate_policy,
+record_iteration, save_run_checkpoint) so the flow can make each a task. Nothing here imports
+Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ragen_core.config import ExperimentConfig, data_dir, load_experiment, to_dict
+from ragen_core.types import TokenBatch, Trajectory, UpdateStats
+
+log = logging.getLogger("ragen")
+
+CHECKPOINTS_KEPT = 2
+"""Older checkpoints are deleted: a full fine-tuning checkpoint of the 135M model is ~2 GB."""
+
+
+class RolloutBatch:
+    """One iteration's trajectories and their metrics (a plain class on purpose: Prefect does not walk it)."""
+
+    def __init__(self, iteration: int, trajectories: list[Trajectory], metrics: dict[str, float]) -> None:
+        self.iteration = iteration
+        self.trajectories = trajectories
+        self.metrics = metrics
+
+
+class Selection:
+    """The rows the uncertainty filter kept, as a TokenBatch, plus which trajectories they are."""
+
+    def __init__(self, batch: TokenBatch, kept: list[bool], metrics: dict[str, float], think_tokens: list[float]):
+        self.batch = batch
+        self.kept = kept
+        self.metrics = metrics
+        self.think_tokens = think_tokens
+
+
+class Session:
+    """The live objects of a run (mutable on purpose: models, generator and counters change).
+
+    A plain class, not a dataclass: Prefect walks (and may rebuild) dataclass task arguments.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path, tokenizer: Any, state: Any, generator: Any,
+                 logger: Any, monitor: Any, model_max_length: int | None, history: list[dict[str, float]],
+                 say: Callable[[str], None] = print,
+                 progress: Callable[[str, int, int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.name = run_dir.name
+        self.tokenizer = tokenizer
+        self.state = state  # ragen_core.trainer.TrainState
+        self.generator = generator  # ragen_core.rollout.generators.Generator
+        self.logger = logger  # ragen_core.tracking.MetricLogger
+        self.monitor = monitor  # ragen_core.tracking.CollapseMonitor
+        self.model_max_length = model_max_length
+        self.history = history
+        self.stop_reason: str | None = None
+        self.say = say
+        self.progress = progress
+
+    @property
+    def iteration(self) -> int:
+        return int(self.state.iteration)
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None or self.iteration >= self.cfg.trainer.iterations
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def new_run_name(cfg: ExperimentConfig) -> str:
+    return f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resolve_run_dir(run: str) -> Path:
+    """A run name (under $RAGEN_DATA_DIR/runs) or a run directory."""
+    path = Path(run)
+    if not (path / "config.yaml").exists():
+        path = data_dir() / "runs" / run
+    if not (path / "config.yaml").exists():
+        raise FileNotFoundError(f"no run {run!r}: neither {run} nor {path} holds a config.yaml")
+    return path
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = sorted((run_dir / "checkpoints").glob("iter=*"))
+    return ckpts[-1] if ckpts else None
+
+
+def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, Path]:
+    """The saved resolved config of a run (plus overrides, e.g. more iterations) and its directory."""
+    run_dir = resolve_run_dir(run)
+    return load_experiment(run_dir / "config.yaml", overrides), run_dir
+
+
+def base_model_spec(cfg: ExperimentConfig, say: Callable[[str], None] = print) -> str:
+    """The model a run starts from: the configured one, or its cached format-warmed copy."""
+    if not cfg.model.warmup:
+        return cfg.model.name
+    from ragen_core.trainer.warmup import warmup_model
+
+    return str(warmup_model(cfg, progress=say))
+
+
+def open_session(
+    cfg: ExperimentConfig,
+    logger: Any,
+    run_dir: Path | None = None,
+    *,
+    say: Callable[[str], None] = print,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Session:
+    """Build (or, when ``run_dir`` holds a checkpoint, restore) everything a run needs."""
+    from ragen_core.models import load_tokenizer
+    from ragen_core.rollout.generators import make_generator
+    from ragen_core.tracking import CollapseMonitor
+    from ragen_core.trainer import init_state, load_checkpoint
+
+    run_dir = run_dir or data_dir() / "runs" / new_run_name(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_spec = base_model_spec(cfg, say)
+    model_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=model_spec))
+    ckpt = latest_checkpoint(run_dir)
+    state = load_checkpoint(ckpt, model_cfg) if ckpt else init_state(model_cfg)
+    state.cfg = cfg
+    h = cfg.health
+    monitor = CollapseMonitor(h.baseline_iters, h.std_drop, h.entropy_drop, h.grad_z, h.patience,
+                              "off" if h.action == "off" else h.action)
+    if ckpt and (ckpt / "health.json").exists():
+        monitor.load_state_dict(json.loads((ckpt / "health.json").read_text()))
+    history = _read_history(run_dir, state.iteration)
+    tokenizer = load_tokenizer(model_spec)
+    max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
+    generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
+                               **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
+                                  if cfg.rollout.backend == "hf" else {}))
+    (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
+    return Session(cfg, run_dir, tokenizer, state, generator, logger, monitor, max_len, history, say, progress)
+
+
+def _yaml(data: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+def _read_history(run_dir: Path, upto: int) -> list[dict[str, float]]:
+    path = run_dir / "history.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("iteration", 0) < upto]
+
+
+# --------------------------------------------------------------------------- the steps
+
+
+def collect_rollouts(sess: Session) -> RolloutBatch:
+    """P·k fresh prompt groups × N responses at the training temperature (SPEC §5, Online-k)."""
+    from ragen_core.rollout.loop import run_rollouts
+    from ragen_core.rollout.metrics import rollout_metrics
+
+    cfg, state = sess.cfg, sess.state
+    n_groups = cfg.prompts_per_rollout
+    seeds = range(state.env_seed_counter, state.env_seed_counter + n_groups)
+    before = dict(sess.generator.stats)
+    started = time.perf_counter()
+    trajs = run_rollouts(cfg.env, sess.generator, sess.tokenizer, cfg.rollout, list(seeds),
+                         cfg.rollout.responses_per_prompt, group_offset=0,
+                         sampling_seed=cfg.trainer.seed * 1_000_003 + state.iteration,
+                         model_max_length=sess.model_max_length, progress=_progress(sess, "rollout"))
+    seconds = time.perf_counter() - started
+    state.env_seed_counter += n_groups
+    gen = {k: sess.generator.stats.get(k, 0.0) - before.get(k, 0.0) for k in before}
+    metrics = rollout_metrics(trajs)
+    metrics["timing/rollout_s"] = seconds
+    metrics["perf/generated_tokens"] = gen.get("generated_tokens", 0.0)
+    metrics["perf/rollout_tokens_per_s"] = gen.get("generated_tokens", 0.0) / max(seconds, 1e-9)
+    return RolloutBatch(state.iteration, trajs, metrics)
+
+
+def select_groups(sess: Session, rollouts: RolloutBatch) -> Selection:
+    """StarPO-S uncertainty filter over whole prompt groups (SPEC §4); 'none' keeps all."""
+    from ragen_core.rollout.batch import build_token_batch
+    from ragen_core.trainer import filter_batch
+
+    trajs = rollouts.trajectories
+    full = build_token_batch(trajs, sess.tokenizer, sess.cfg.rollout, sess.model_max_length)
+    result = filter_batch(full, trajs, sess.cfg.algorithm)
+    rows = result.rows.tolist()
+    kept = [False] * len(trajs)
+    for r in rows:
+        kept[r] = True
+    think = [float(sum(t.think_tokens for t in trajs[r].turns)) for r in rows]
+    return Selection(result.batch, kept, result.metrics, think)
+
+
+def update_policy(sess: Session, selection: Selection) -> UpdateStats:
+    """All optimizer steps of this rollout batch, then fresh weights for the generator."""
+    from ragen_core.trainer import update
+
+    stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens)
+    sess.generator.update_weights(sess.state.models.actor)
+    sess.state.iteration += 1
+    return stats
+
+
+def evaluate_policy(sess: Session, seeds: int | None = None) -> dict[str, float]:
+    """Held-out seeds at the evaluation temperature on every eval env (SPEC §5)."""
+    from ragen_core.rollout.evaluate import evaluate, heldout_seeds
+
+    ev = sess.cfg.eval
+    started = time.perf_counter()
+    result = evaluate(sess.cfg.eval_envs, sess.generator, sess.tokenizer, sess.cfg.rollout,
+                      heldout_seeds(seeds or ev.seeds, ev.seed_start), ev.samples, temperature=ev.temperature,
+                      sampling_seed=sess.cfg.trainer.seed, model_max_length=sess.model_max_length,
+                      progress=_progress(sess, "evaluate"))
+    return {**result.metrics, "timing/eval_s": time.perf_counter() - started}
+
+
+def eval_due(sess: Session) -> bool:
+    """After update ``iteration`` (1-based), every ``eval.every`` and after the last one."""
+    every = sess.cfg.eval.every
+    return every > 0 and (sess.iteration % every == 0 or sess.iteration == 1 or sess.done)
+
+
+def checkpoint_due(sess: Session) -> bool:
+    every = sess.cfg.trainer.checkpoint_every
+    return every > 0 and (sess.iteration % every == 0 or sess.done)
+
+
+def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection, stats: UpdateStats,
+                     val: dict[str, float] | None) -> dict[str, float]:
+    """Health check, metrics to the logger, the Parquet shard, readable samples, one summary line."""
+    from ragen_core.store import write_shard
+    from ragen_core.tracking import trajectories_text
+
+    cfg, step = sess.cfg, rollouts.iteration
+    metrics = {**rollouts.metrics, **selection.metrics, **stats.metrics, **(val or {})}
+    report = sess.monitor.update(step, metrics.get("rollout/reward_std_all", metrics.get("rollout/reward_std", 0.0)),
+                                 metrics.get("actor/entropy", 0.0), metrics.get("actor/grad_norm", 0.0))
+    metrics.update(report.metrics)
+    if report.warning:
+        sess.say(f"[health] {report.warning}")
+    if report.stop and cfg.health.action == "stop":
+        sess.stop_reason = report.reason or "collapse detected"
+    shard = write_shard(sess.run_dir, step, rollouts.trajectories, selection.kept)
+    sess.logger.log_metrics(metrics, step=step)
+    every = cfg.tracking.artifact_every
+    if every and (step % every == 0 or sess.done):
+        sample = rollouts.trajectories[: cfg.tracking.sample_trajectories]
+        if sample:
+            sess.logger.log_text(trajectories_text(sample), f"samples/iter={step:04d}.txt")
+        sess.logger.log_artifact(shard, f"rollouts/iter={step:04d}")
+    row = {"iteration": step, **metrics}
+    sess.history.append(row)
+    with open(sess.run_dir / "history.jsonl", "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    sess.say(summary_line(sess, row))
+    return metrics
+
+
+def summary_line(sess: Session, m: dict[str, float]) -> str:
+    tag = sess.cfg.env.label
+    val = m.get("val/success")
+    parts = [
+        f"iter {m['iteration'] + 1}/{sess.cfg.trainer.iterations}",
+        f"success {m.get(f'env/{tag}/success', float('nan')):.2f}",
+        *([f"val {val:.2f}"] if val is not None else []),
+        f"return {m.get(f'env/{tag}/total_return', float('nan')):+.3f}",
+        f"reward std {m.get('rollout/reward_std_all', float('nan')):.3f}",
+        f"entropy {m.get('actor/entropy', float('nan')):.3f}",
+        f"grad norm {m.get('actor/grad_norm', float('nan')):.3f}",
+        f"{m.get('timing/rollout_s', 0.0) + m.get('timing/update_s', 0.0) + m.get('timing/eval_s', 0.0):.1f}s",
+    ]
+    return " | ".join(parts)
+
+
+def save_run_checkpoint(sess: Session) -> Path:
+    """Atomic checkpoint (models, optimizers, RNGs, counters, monitor); keeps the last few."""
+    from ragen_core.trainer import save_checkpoint
+
+    target = sess.run_dir / "checkpoints" / f"iter={sess.iteration:06d}"
+    save_checkpoint(sess.state, target)
+    (target / "health.json").write_text(json.dumps(sess.monitor.state_dict()))
+    for old in sorted((sess.run_dir / "checkpoints").glob("iter=*"))[:-CHECKPOINTS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def run_iteration(sess: Session) -> dict[str, float]:
+    """rollout -> filter -> update -> (evaluate) -> record -> (checkpoint): the same steps as the flow."""
+    rollouts = collect_rollouts(sess)
+    selection = select_groups(sess, rollouts)
+    stats = update_policy(sess, selection)
+    val = evaluate_policy(sess) if eval_due(sess) else None
+    metrics = record_iteration(sess, rollouts, selection, stats, val)
+    if checkpoint_due(sess):
+        save_run_checkpoint(sess)
+    return metrics
+
+
+def _progress(sess: Session, what: str) -> Callable[[int, int], None] | None:
+    if sess.progress is None:
+        return None
+    report = sess.progress
+    return lambda done, total: report(what, done, total)
+
+
+# --------------------------------------------------------------------------- finishing
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run reports."""
+
+    run_name: str
+    run_dir: str
+    mlflow_run_id: str | None
+    iterations: int
+    first_val_success: float | None
+    last_val_success: float | None
+    stop_reason: str | None
+    summary: str
+
+
+CURVES = ("val/success", "rollout/reward_std_all", "actor/entropy", "actor/grad_norm",
+          "response/length_mean", "response/think_length_mean")
+
+
+def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = True) -> TrainResult:
+    """Curves PNG, the final model (or adapter) as artifacts, a summary; closes the logger."""
+    from ragen_core.tracking import plot_curves
+
+    series = {k: [(int(r["iteration"]), float(r[k])) for r in sess.history if k in r] for k in CURVES}
+    series[f"env/{sess.cfg.env.label}/success"] = [
+        (int(r["iteration"]), float(r[f"env/{sess.cfg.env.label}/success"]))
+        for r in sess.history if f"env/{sess.cfg.env.label}/success" in r]
+    metrics = [k for k, v in series.items() if v]
+    if metrics:
+        png = plot_curves({sess.name: series}, metrics, sess.run_dir / "curves.png", title=sess.name)
+        sess.logger.log_artifact(Path(png), "plots")
+    if log_model:
+        final = sess.run_dir / "final-model"
+        shutil.rmtree(final, ignore_errors=True)
+        sess.state.models.actor.save_pretrained(final)
+        sess.tokenizer.save_pretrained(final)
+        sess.logger.log_artifact(final, "model")
+    vals = [r["val/success"] for r in sess.history if "val/success" in r]
+    first, last = (vals[0], vals[-1]) if vals else (None, None)
+    status = "FINISHED"
+    sess.logger.set_tags({"stop_reason": sess.stop_reason} if sess.stop_reason else {})
+    sess.logger.close(status)
+    uri = tracking_uri or ""
+    fmt = (lambda v: "n/a" if v is None else f"{v:.2f}")
+    summary = (f"run {sess.name}: {sess.iteration} iterations, val success first {fmt(first)} -> last {fmt(last)}"
+               + (f", stopped: {sess.stop_reason}" if sess.stop_reason else "")
+               + f"\nrun directory: {sess.run_dir}"
+               + (f"\nbrowse it: mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite") else
+                  f"\nbrowse it: {uri}" if uri else ""))
+    return TrainResult(sess.name, str(sess.run_dir), sess.logger.run_id, sess.iteration, first, last,
+                       sess.stop_reason, summary)

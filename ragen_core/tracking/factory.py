@@ -1,0 +1,40 @@
+"""Build the metric logger a run's config asks for, with the run's params and tags.
+
+    logger = open_logger(cfg, run_dir, flow_run_id=...)   # MLflowLogger, or NullLogger when tracking.backend is none
+
+The outbox lives in the run directory, so resuming a run (same directory) continues the
+same MLflow run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ragen_core.config import ExperimentConfig
+from ragen_core.tracking.logger import MetricLogger, NullLogger
+from ragen_core.tracking.mlflow_logger import MLflowLogger, default_tracking_uri
+from ragen_core.tracking.run_meta import git_commit, log_config, run_tags
+
+
+def tracking_uri(cfg: ExperimentConfig) -> str:
+    return cfg.tracking.uri or default_tracking_uri()
+
+
+def open_logger(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    *,
+    flow_run_id: str | None = None,
+    parent_run_id: str | None = None,
+    extra_tags: dict[str, str] | None = None,
+) -> MetricLogger:
+    """The run's logger with the resolved config logged as params + YAML and the standard tags."""
+    if cfg.tracking.backend == "none":
+        return NullLogger(record=False)
+    tags = run_tags(cfg.algo_tag, cfg.env.label, cfg.algorithm.estimator, cfg.preset, cfg.model.name,
+                    git_commit(), flow_run_id)
+    tags.update(extra_tags or {})
+    logger = MLflowLogger(tracking_uri(cfg), cfg.tracking.experiment, run_name=run_dir.name,
+                          parent_run_id=parent_run_id, tags=tags, outbox_dir=run_dir)
+    log_config(logger, cfg)
+    return logger
