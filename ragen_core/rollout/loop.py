@@ -30,6 +30,9 @@ episodes). Per reply (SPEC §3):
 Each Turn stores its prompt delta and the exact sampled ids and log-probs, and ``Trajectory.meta``
 holds the texts the renderer needs to re-render a head (``instruction``, ``user_texts``), so
 ``batch.build_token_batch`` rebuilds the training row exactly, also after a Parquet round trip.
+``meta`` keys: ``env_name``, ``member`` and ``dynamics_seed`` (index in the group), ``system_prompt``,
+``instruction`` (the instruction block), ``user_texts`` (one user message per turn),
+``named_actions`` / ``unknown_actions`` (counts per turn), ``context_overflow``.
 
 Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_loop.py -q``.
 """
@@ -140,39 +143,43 @@ def run_rollouts(
                          f"{rollout_cfg.max_new_tokens}; raise rollout.max_context_tokens or lower max_new_tokens")
     run_id = uuid.uuid4().hex
     episodes = [
-        _new_episode(env_cfg, seed, group_offset + g, m, (run_id, g, m))
+        _new_episode(env_cfg, rollout_cfg, seed, group_offset + g, m, (run_id, g, m))
         for g, seed in enumerate(seeds) for m in range(n_per_group)
     ]
-    for ep in episodes:
-        ep.block = instruction_block(ep.env.instruction, ep.env.legend, ep.env.action_names,
-                                     rollout_cfg.max_actions_per_turn, free_form=ep.env.free_form_actions)
     temp = rollout_cfg.temperature if temperature is None else float(temperature)
-    for turn in range(rollout_cfg.max_turns):
-        live = [ep for ep in episodes if not ep.done]
-        contexts = [_next_context(ep, renderer, rollout_cfg, budget) for ep in live]
-        rows = [(ep, ctx) for ep, ctx in zip(live, contexts) if ctx is not None]
-        _end_sessions(generator, [ep for ep, ctx in zip(live, contexts) if ctx is None])
-        if rows:
-            params = SamplingParams(temperature=temp, top_p=rollout_cfg.top_p,
-                                    max_new_tokens=rollout_cfg.max_new_tokens,
-                                    stop_token_ids=renderer.stop_token_ids, seed=_turn_seed(sampling_seed, turn))
-            gens = generator.generate([ctx.input_ids for _, ctx in rows], params,
-                                      session_ids=[ep.session for ep, _ in rows])
-            for (ep, _), gen in zip(rows, gens):
-                _apply_reply(ep, gen, renderer, rollout_cfg)
-            _end_sessions(generator, [ep for ep, _ in rows if ep.done])
-        if progress is not None:
-            progress(sum(ep.done for ep in episodes), len(episodes))
+    try:
+        for turn in range(rollout_cfg.max_turns):
+            live = [ep for ep in episodes if not ep.done]
+            contexts = [_next_context(ep, renderer, rollout_cfg, budget) for ep in live]
+            rows = [(ep, ctx) for ep, ctx in zip(live, contexts) if ctx is not None]
+            _end_sessions(generator, [ep for ep, ctx in zip(live, contexts) if ctx is None])
+            if rows:
+                params = SamplingParams(temperature=temp, top_p=rollout_cfg.top_p,
+                                        max_new_tokens=rollout_cfg.max_new_tokens,
+                                        stop_token_ids=renderer.stop_token_ids, seed=_turn_seed(sampling_seed, turn))
+                gens = generator.generate([ctx.input_ids for _, ctx in rows], params,
+                                          session_ids=[ep.session for ep, _ in rows])
+                for (ep, _), gen in zip(rows, gens):
+                    _apply_reply(ep, gen, renderer, rollout_cfg)
+                _end_sessions(generator, [ep for ep, _ in rows if ep.done])
+            if progress is not None:
+                progress(sum(ep.done for ep in episodes), len(episodes))
+    except BaseException:
+        _end_sessions(generator, [ep for ep in episodes if not ep.done])  # free the backend's caches
+        raise
     return [_finish(ep, env_cfg, rollout_cfg) for ep in episodes]
 
 
-def _new_episode(env_cfg: EnvConfig, seed: int, group_id: int, member: int, session: Hashable) -> _Episode:
+def _new_episode(env_cfg: EnvConfig, cfg: RolloutConfig, seed: int, group_id: int, member: int,
+                 session: Hashable) -> _Episode:
     from ragen_core.envs import make
 
     env = make(env_cfg.name, **dict(env_cfg.params))
     # Same layout for the whole group, own luck per member (module docstring).
     obs, _ = env.reset(seed=int(seed), options={"dynamics_seed": member})
-    return _Episode(group_id=group_id, member=member, seed=int(seed), env=env, block="", session=session, obs=obs)
+    block = instruction_block(env.instruction, env.legend, env.action_names, cfg.max_actions_per_turn,
+                              free_form=env.free_form_actions)
+    return _Episode(group_id=group_id, member=member, seed=int(seed), env=env, block=block, session=session, obs=obs)
 
 
 def _turn_seed(sampling_seed: int | None, turn: int) -> int | None:

@@ -198,3 +198,15 @@ def test_free_form_action_rejected_by_the_env_is_penalised(tok: PreTrainedTokeni
     first = t.turns[0]
     assert (first.actions, first.parse_ok, first.penalty, first.reward) == ((), False, -0.1, 0.0)
     assert t.meta["named_actions"][0] == 1 and t.meta["unknown_actions"][0] == 1
+
+
+def test_generator_failure_frees_every_live_session(tok: PreTrainedTokenizerBase) -> None:
+    def script(call: int, row: int, prompt: object) -> str:
+        if call == 1:
+            raise RuntimeError("out of memory")
+        return _answer("Left")
+
+    gen = ScriptedGenerator(tok, script)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_rollouts(SOKOBAN, gen, tok, RolloutConfig(), seeds=[3], n_per_group=2)
+    assert sorted(map(str, gen.ended)) == sorted(map(str, gen.calls[0].session_ids or ()))
