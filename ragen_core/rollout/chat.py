@@ -21,6 +21,8 @@ prompt, never to the loss mask.
 
 A system message is always passed (templates such as SmolLM2's and Qwen's inject a default system
 prompt otherwise); templates that reject the system role get it prepended to the first user text.
+Limitation: a template that rewrites EARLIER assistant messages (Qwen3 drops their <think> part) is
+rendered here as it was sampled, never rewritten; the sequence stays exactly what the model saw.
 
 :func:`assemble` lays out a context or training row as spans and records which spans the model
 generated: the loss mask is derived from those spans, never from token values.
