@@ -228,6 +228,8 @@ class ExperimentConfig:
                 f"rollout.max_actions_per_turn ({r.max_actions_per_turn}) exceeds "
                 f"rollout.max_actions_per_episode ({r.max_actions_per_episode})"
             )
+        if self.eval.seed_start + self.eval.seeds > 1_000_000:
+            raise ConfigError("eval.seed_start: held-out seeds must stay below 1,000,000, where training seeds start")
         if self.trainer.backend == "deepspeed" and self.model.lora_rank and self.trainer.zero_stage == 3:
             raise ConfigError("trainer.zero_stage: ZeRO-3 with LoRA is not supported; use stage 0-2")
 

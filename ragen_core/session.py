@@ -31,6 +31,9 @@ from ragen_core.types import TokenBatch, Trajectory, UpdateStats
 
 log = logging.getLogger("ragen")
 
+TRAIN_SEED_OFFSET = 1_000_000
+"""Training env seeds start here, so they never meet the held-out evaluation seeds (123.. in SPEC §5)."""
+
 CHECKPOINTS_KEPT = 2
 """Older checkpoints are deleted: a full fine-tuning checkpoint of the 135M model is ~2 GB."""
 
@@ -184,10 +187,10 @@ def collect_rollouts(sess: Session) -> RolloutBatch:
 
     cfg, state = sess.cfg, sess.state
     n_groups = cfg.prompts_per_rollout
-    seeds = range(state.env_seed_counter, state.env_seed_counter + n_groups)
+    seeds = train_seeds(state.env_seed_counter, n_groups)
     before = dict(sess.generator.stats)
     started = time.perf_counter()
-    trajs = run_rollouts(cfg.env, sess.generator, sess.tokenizer, cfg.rollout, list(seeds),
+    trajs = run_rollouts(cfg.env, sess.generator, sess.tokenizer, cfg.rollout, seeds,
                          cfg.rollout.responses_per_prompt, group_offset=0,
                          sampling_seed=cfg.trainer.seed * 1_000_003 + state.iteration,
                          model_max_length=sess.model_max_length, progress=_progress(sess, "rollout"))
@@ -199,6 +202,11 @@ def collect_rollouts(sess: Session) -> RolloutBatch:
     metrics["perf/generated_tokens"] = gen.get("generated_tokens", 0.0)
     metrics["perf/rollout_tokens_per_s"] = gen.get("generated_tokens", 0.0) / max(seconds, 1e-9)
     return RolloutBatch(state.iteration, trajs, metrics)
+
+
+def train_seeds(counter: int, n: int) -> list[int]:
+    """The next ``n`` training seeds: disjoint from every evaluation seed below TRAIN_SEED_OFFSET."""
+    return list(range(TRAIN_SEED_OFFSET + counter, TRAIN_SEED_OFFSET + counter + n))
 
 
 def select_groups(sess: Session, rollouts: RolloutBatch) -> Selection:
