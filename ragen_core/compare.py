@@ -1,0 +1,230 @@
+"""Side-by-side comparison of training runs (StarPO vs StarPO-S): the table and the curves, from metric histories.
+
+The pure part of ``ragen compare`` (flows/compare.py): it takes :class:`RunHistory` records (read from
+MLflow by :mod:`ragen_core.tracking.history`, or built by hand in tests) and makes
+
+- one :class:`CompareRow` per run: final and peak success, the iteration of the peak, whether the
+  Echo Trap was detected (RAGEN §4: any ``health/early_warning`` or a ``stop_reason`` tag), mean
+  update seconds, iterations;
+- the table as Markdown and CSV;
+- the paper-style curves (RAGEN Fig. 3-5: success, in-group reward std, entropy, gradient norm,
+  response and think length over iterations) as PNGs, one line per run.
+
+    from ragen_core.compare import RunHistory, summarize, table_markdown, write_outputs
+    runs = [RunHistory("starpo-1", "abc", {"algo": "starpo", "env": "Bandit"}, {"val/success": ((0, 0.2), (1, 0.5))})]
+    print(table_markdown([summarize(r) for r in runs]))
+    write_outputs(runs, Path("compare-out"))
+
+Iterations are MLflow steps: step 0 is the first iteration (as on the x axis of the plots).
+A quantity a run did not log is shown as ``n/a``, never as 0.
+
+Tests: ``.venv/bin/python -m pytest tests/unit/test_compare.py -q``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "COLUMNS",
+    "CompareRow",
+    "RunHistory",
+    "curve_metrics",
+    "plot_histories",
+    "run_labels",
+    "success_series",
+    "summarize",
+    "table_csv",
+    "table_markdown",
+    "wanted_metrics",
+    "write_outputs",
+]
+
+Series = tuple[tuple[int, float], ...]
+"""((step, value), ...) sorted by step."""
+
+
+@dataclass(frozen=True)
+class RunHistory:
+    """One training run as read back from tracking: identity, tags and metric histories."""
+
+    name: str
+    run_id: str
+    tags: dict[str, str] = field(default_factory=dict)
+    """Tracking tags: ``algo``, ``env``, ``preset``, ``stop_reason`` (when the monitor stopped it), ..."""
+    histories: dict[str, Series] = field(default_factory=dict)
+    """metric name -> ((step, value), ...); a metric the run never logged is absent."""
+
+    @property
+    def algo(self) -> str:
+        return self.tags.get("algo", "n/a")
+
+    @property
+    def env(self) -> str:
+        return self.tags.get("env", "n/a")
+
+
+def curve_metrics(env_tag: str) -> dict[str, str]:
+    """Plot title -> metric name, in the order of the figure's subplots (RAGEN Fig. 3-5 plus timing)."""
+    return {
+        "train success (rollouts)": f"env/{env_tag}/success",
+        "validation success": "val/success",
+        "in-group reward std": "rollout/reward_std_all",
+        "entropy": "actor/entropy",
+        "grad norm": "actor/grad_norm",
+        "response length (tokens)": "response/length_mean",
+        "think length (tokens)": "response/think_length_mean",
+        "update seconds": "timing/update_s",
+    }
+
+
+def wanted_metrics(env_tag: str) -> tuple[str, ...]:
+    """Every metric the table and the plots read for a run on ``env_tag``."""
+    return (*curve_metrics(env_tag).values(), "health/early_warning")
+
+
+def success_series(run: RunHistory) -> tuple[str | None, Series]:
+    """The run's success curve and where it comes from: ``val`` (held-out, preferred) or ``train``.
+
+    Falls back to training-rollout success for runs that never evaluated; (None, ()) when neither exists.
+    """
+    val = run.histories.get("val/success", ())
+    if val:
+        return "val", val
+    train = run.histories.get(f"env/{run.env}/success", ())
+    return ("train", train) if train else (None, ())
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    """One run's line in the comparison table; None means the run did not log it (shown as n/a)."""
+
+    run: str
+    run_id: str
+    algo: str
+    env: str
+    success_from: str | None
+    """'val' or 'train' (see :func:`success_series`)."""
+    final_success: float | None
+    peak_success: float | None
+    peak_iteration: int | None
+    """First step at which the peak was reached (ties go to the earliest)."""
+    collapse: bool | None
+    """True when any health/early_warning fired or the run was stopped; None when no health metric was logged."""
+    collapse_at: int | None
+    """First step with an early warning."""
+    stop_reason: str | None
+    update_s_mean: float | None
+    iterations: int
+    """Steps seen in any metric (last step + 1)."""
+
+
+def _mean(series: Series) -> float | None:
+    finite = [v for _, v in series if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def summarize(run: RunHistory) -> CompareRow:
+    """The table row of one run (module docstring); never modifies ``run``."""
+    source, success = success_series(run)
+    points = sorted(p for p in success if math.isfinite(p[1]))
+    peak = max((v for _, v in points), default=None)
+    peak_at = next((s for s, v in points if v == peak), None)
+    warnings = run.histories.get("health/early_warning", ())
+    first_warning = next((s for s, v in sorted(warnings) if v > 0), None)
+    stop_reason = run.tags.get("stop_reason") or None
+    collapse = (first_warning is not None or stop_reason is not None) if (warnings or stop_reason) else None
+    last_step = max((s for series in run.histories.values() for s, _ in series), default=-1)
+    return CompareRow(
+        run=run.name, run_id=run.run_id, algo=run.algo, env=run.env, success_from=source,
+        final_success=points[-1][1] if points else None, peak_success=peak, peak_iteration=peak_at,
+        collapse=collapse, collapse_at=first_warning, stop_reason=stop_reason,
+        update_s_mean=_mean(run.histories.get("timing/update_s", ())), iterations=last_step + 1,
+    )
+
+
+COLUMNS = ("run", "algo", "env", "success from", "final success", "peak success", "peak at iter",
+           "collapse", "update s (mean)", "iterations", "run id")
+
+
+def _num(value: float | None, fmt: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _collapse_text(row: CompareRow) -> str:
+    if row.collapse is None:
+        return "n/a"
+    if not row.collapse:
+        return "no"
+    parts = [f"yes (warning at iter {row.collapse_at})" if row.collapse_at is not None else "yes"]
+    if row.stop_reason:
+        parts.append(f"stopped: {row.stop_reason}")
+    return "; ".join(parts)
+
+
+def _cells(row: CompareRow) -> tuple[str, ...]:
+    return (row.run, row.algo, row.env, row.success_from or "n/a", _num(row.final_success), _num(row.peak_success),
+            _num(row.peak_iteration, "d"), _collapse_text(row), _num(row.update_s_mean, ".2f"), str(row.iterations),
+            row.run_id)
+
+
+def table_markdown(rows: Sequence[CompareRow]) -> str:
+    """The rows as a Markdown table (``|`` inside a cell is escaped)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def table_csv(rows: Sequence[CompareRow]) -> str:
+    """The rows as CSV with raw numbers (empty cell for n/a), for pandas or a spreadsheet."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["run", "algo", "env", "success_from", "final_success", "peak_success", "peak_iteration",
+                     "collapse", "collapse_at", "stop_reason", "update_s_mean", "iterations", "run_id"])
+    for r in rows:
+        writer.writerow(["" if v is None else v for v in (
+            r.run, r.algo, r.env, r.success_from, r.final_success, r.peak_success, r.peak_iteration,
+            r.collapse, r.collapse_at, r.stop_reason, r.update_s_mean, r.iterations, r.run_id)])
+    return out.getvalue()
+
+
+def run_labels(runs: Sequence[RunHistory]) -> list[str]:
+    """Legend labels ``name (algo)``; a label shared by several runs gets the run id's first 8 characters."""
+    base = [f"{r.name} ({r.algo})" for r in runs]
+    return [f"{b} [{r.run_id[:8]}]" if base.count(b) > 1 else b for b, r in zip(base, runs)]
+
+
+def plot_histories(runs: Sequence[RunHistory]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``plot_curves`` input: label -> plot title -> points (each run's own env tag picks its success metric)."""
+    return {
+        label: {title: list(run.histories.get(metric, ())) for title, metric in curve_metrics(run.env).items()}
+        for label, run in zip(run_labels(runs), runs)
+    }
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
+def write_outputs(runs: Sequence[RunHistory], out_dir: Path, title: str | None = None) -> list[Path]:
+    """Write table.md, table.csv, curves.png (all curves) and one PNG per curve into ``out_dir``; returns the paths."""
+    from ragen_core.tracking.plots import plot_curves
+
+    if not runs:
+        raise ValueError("nothing to compare: no runs")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [summarize(r) for r in runs]
+    (out_dir / "table.md").write_text(table_markdown(rows))
+    (out_dir / "table.csv").write_text(table_csv(rows))
+    histories = plot_histories(runs)
+    titles = list(curve_metrics(runs[0].env))
+    title = title or " vs ".join(run_labels(runs))
+    pngs = [plot_curves(histories, titles, out_dir / "curves.png", title)]
+    pngs += [plot_curves(histories, [t], out_dir / f"{_slug(t)}.png", title) for t in titles]
+    return [out_dir / "table.md", out_dir / "table.csv", *pngs]
