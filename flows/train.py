@@ -1,4 +1,4 @@
-"""The training flow: per iteration rollout -> filter -> update (-> evaluate) -> record (-> checkpoint).
+"""The training flow: per iteration (evaluate ->) rollout -> filter -> update -> record (-> checkpoint).
 
     ragen train experiments/bandit-starpo-s.yaml --set trainer.iterations=20
     python -c "from flows.train import train; train('experiments/smoke.yaml')"
@@ -49,14 +49,22 @@ def train(
     with Reporter(cfg.trainer.iterations) as ui:
         sess = s.open_session(cfg, logger, run_dir, say=ui.say, progress=ui.progress)
         while not sess.done:
+            val = t.evaluate(sess) if s.eval_due(sess) else None  # the policy after `iteration` updates
+            if pruner and val:
+                pruner(sess, val)  # may set sess.stop_reason: keep this evaluation as the last one
+                if sess.done:
+                    s.record_final_eval(sess, val)
+                    break
             rollouts = t.rollout(sess)
             selection = t.filter_groups(sess, rollouts)
             stats = t.update(sess, selection)
-            val = t.evaluate(sess) if s.eval_due(sess) else None
             t.record(sess, rollouts, selection, stats, val)
             if s.checkpoint_due(sess):
                 t.checkpoint(sess)
-            if pruner and val:
+        if s.final_eval_due(sess):
+            val = t.evaluate(sess)
+            s.record_final_eval(sess, val)
+            if pruner:
                 pruner(sess, val)
     return s.finish(sess, tracking_uri(cfg))
 

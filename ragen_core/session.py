@@ -1,16 +1,15 @@
 """One training run as plain Python: the steps that flows/train.py chains as Prefect tasks.
 
     from ragen_core.config import load_experiment
-    from ragen_core.session import open_session, run_iteration, finish
+    from ragen_core.session import open_session, run_to_end, finish
     from ragen_core.tracking import NullLogger
 
     sess = open_session(load_experiment("experiments/smoke.yaml"), NullLogger())
-    while not sess.done:
-        run_iteration(sess)          # rollout -> filter -> update -> (evaluate) -> log -> (checkpoint)
+    run_to_end(sess)     # per iteration: (evaluate) -> rollout -> filter -> update -> log -> (checkpoint)
     finish(sess)
 
-Each step is its own function (collect_rollouts, select_groups, update_policy, evaluate_policy,
-record_iteration, save_run_checkpoint) so the flow can make each a task. Nothing here imports
+Each step is its own function (evaluate_policy, collect_rollouts, select_groups, update_policy,
+record_iteration, save_run_checkpoint, record_final_eval) so the flow can make each a task. Nothing here imports
 Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7).
 """
 
@@ -249,9 +248,15 @@ def evaluate_policy(sess: Session, seeds: int | None = None) -> dict[str, float]
 
 
 def eval_due(sess: Session) -> bool:
-    """After update ``iteration`` (1-based), every ``eval.every`` and after the last one."""
+    """Before iteration i's rollout when i % eval.every == 0: the policy after i updates (0 = untrained)."""
     every = sess.cfg.eval.every
-    return every > 0 and (sess.iteration % every == 0 or sess.iteration == 1 or sess.done)
+    return every > 0 and sess.iteration % every == 0
+
+
+def final_eval_due(sess: Session) -> bool:
+    """One more evaluation after the last update, unless the last iteration already began with one."""
+    every = sess.cfg.eval.every
+    return every > 0 and not any(r.get("iteration") == sess.iteration and "val/success" in r for r in sess.history)
 
 
 def checkpoint_due(sess: Session) -> bool:
@@ -318,16 +323,34 @@ def save_run_checkpoint(sess: Session) -> Path:
     return target
 
 
+def record_final_eval(sess: Session, val: dict[str, float]) -> None:
+    """The evaluation after the last update, logged at step = iterations done."""
+    row = {"iteration": sess.iteration, **val}
+    sess.logger.log_metrics(val, step=sess.iteration)
+    sess.history.append(row)
+    with open(sess.run_dir / "history.jsonl", "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    sess.say(f"final evaluation after {sess.iteration} iterations | val success {val.get('val/success', float('nan')):.2f}")
+
+
 def run_iteration(sess: Session) -> dict[str, float]:
-    """rollout -> filter -> update -> (evaluate) -> record -> (checkpoint): the same steps as the flow."""
+    """(evaluate) -> rollout -> filter -> update -> record -> (checkpoint): the same steps as the flow."""
+    val = evaluate_policy(sess) if eval_due(sess) else None
     rollouts = collect_rollouts(sess)
     selection = select_groups(sess, rollouts)
     stats = update_policy(sess, selection)
-    val = evaluate_policy(sess) if eval_due(sess) else None
     metrics = record_iteration(sess, rollouts, selection, stats, val)
     if checkpoint_due(sess):
         save_run_checkpoint(sess)
     return metrics
+
+
+def run_to_end(sess: Session) -> None:
+    """All remaining iterations, then the final evaluation (what `ragen train` does, without Prefect)."""
+    while not sess.done:
+        run_iteration(sess)
+    if final_eval_due(sess):
+        record_final_eval(sess, evaluate_policy(sess))
 
 
 def _progress(sess: Session, what: str) -> Callable[[int, int], None] | None:

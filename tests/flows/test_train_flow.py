@@ -46,7 +46,9 @@ def test_iterations_ran_and_are_recorded(smoke_run) -> None:
     assert result.iterations == 2 and result.run_name == "smoke-a"
     run_dir = Path(result.run_dir)
     rows = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1]
+    # one row per iteration, then the evaluation after the last update (step = iterations done)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert "val/success" in rows[0] and "actor/grad_norm" not in rows[2] and "val/success" in rows[2]
     assert (run_dir / "checkpoints" / "iter=000002" / "state.json").exists()
     assert (run_dir / "final-model" / "config.json").exists()
     assert "val success first" in result.summary and "mlflow ui" in result.summary
@@ -60,8 +62,10 @@ def test_metrics_tags_and_artifacts_in_mlflow(smoke_run) -> None:
     for ns in NAMESPACES:
         assert any(n.startswith(ns) for n in names), f"no metric under {ns}: {sorted(names)}"
     for key in ("env/Bandit/success", "rollout/reward_std_all", "actor/entropy", "actor/grad_norm",
-                "critic/value_loss", "val/success", "timing/rollout_s", "timing/update_s", "response/length_mean"):
+                "critic/value_loss", "timing/rollout_s", "timing/update_s", "response/length_mean"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [0, 1], key
+    # eval.every = 1: before each update (0 = untrained policy) and after the last
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/success")] == [0, 1, 2]
     tags = run.data.tags
     assert tags["algo"] == "starpo-s" and tags["env"] == "Bandit" and tags["estimator"] == "gae"
     assert tags["preset"] == "starpo-s" and tags["model"] == "tiny-random"
