@@ -13,6 +13,7 @@ The flows live in the top-level ``flows`` package; this module only calls them.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -172,7 +173,14 @@ def demo(
     console.print(result.summary if hasattr(result, "summary") else result)
 
 
+# Set before Prefect is imported: no telemetry from a research box, and the per-task
+# "Finished in state Completed()" lines would drown the one summary line per iteration.
+QUIET_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+
+
 def main() -> None:
+    for key, value in QUIET_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     app(prog_name="ragen")
 
 
