@@ -15,7 +15,8 @@ MLflow by :mod:`ragen_core.tracking.history`, or built by hand in tests) and mak
     print(table_markdown([summarize(r) for r in runs]))
     write_outputs(runs, Path("compare-out"))
 
-Iterations are MLflow steps: step 0 is the first iteration (as on the x axis of the plots).
+Iterations are MLflow steps, as on the x axis of the plots: training metrics at step i come from
+iteration i (0 = the first); ``val/...`` at step i describe the policy after i updates (0 = untrained).
 A quantity a run did not log is shown as ``n/a``, never as 0.
 
 Tests: ``.venv/bin/python -m pytest tests/unit/test_compare.py -q``.
@@ -122,7 +123,7 @@ class CompareRow:
     stop_reason: str | None
     update_s_mean: float | None
     iterations: int
-    """Steps seen in any metric (last step + 1)."""
+    """Training iterations: last step of any non-``val/`` metric + 1."""
 
 
 def _mean(series: Series) -> float | None:
@@ -140,7 +141,9 @@ def summarize(run: RunHistory) -> CompareRow:
     first_warning = next((s for s, v in sorted(warnings) if v > 0), None)
     stop_reason = run.tags.get("stop_reason") or None
     collapse = (first_warning is not None or stop_reason is not None) if (warnings or stop_reason) else None
-    last_step = max((s for series in run.histories.values() for s, _ in series), default=-1)
+    # val/... at step i is the policy after i updates (one more point than updates): count updates only
+    last_step = max((s for name, series in run.histories.items() if not name.startswith("val/") for s, _ in series),
+                    default=-1)
     return CompareRow(
         run=run.name, run_id=run.run_id, algo=run.algo, env=run.env, success_from=source,
         final_success=points[-1][1] if points else None, peak_success=peak, peak_iteration=peak_at,

@@ -41,6 +41,7 @@ def test_points_are_read_in_step_order_and_nan_is_skipped():
     row = summarize(run)
     # sorted: (0, 0.3), (1, nan: skipped), (2, 0.1) -> final 0.1, peak 0.3 at step 0
     assert (row.final_success, row.peak_success, row.peak_iteration) == (0.1, 0.3, 0)
+    assert row.iterations == 0  # only val/ metrics: no training iteration recorded
 
 
 def test_validation_success_is_preferred_and_train_success_is_the_fallback():
@@ -76,7 +77,8 @@ def test_update_seconds_mean_and_iteration_count():
     run = _run(timing__update_s=[(0, 1.0), (1, 2.0), (2, 4.5), (3, float("nan"))], val__success=[(0, 0.0), (9, 0.1)])
     row = summarize(run)
     assert row.update_s_mean == pytest.approx((1.0 + 2.0 + 4.5) / 3)  # 2.5; nan skipped
-    assert row.iterations == 10  # last step seen anywhere (val at 9) + 1
+    # last training step (timing at 3) + 1; val at step 9 does not count (val step i = after i updates)
+    assert row.iterations == 4
 
 
 def test_markdown_table_golden():

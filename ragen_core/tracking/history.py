@@ -1,0 +1,168 @@
+"""Read training runs back from MLflow, and add results to runs afterwards (``ragen compare``, ``ragen eval``).
+
+    from ragen_core.tracking.history import fetch_runs, log_onto_run, log_compare_run, run_id_of
+    runs = fetch_runs("sqlite:///data/mlflow.db", ["bandit-starpo-20260101-120000", "3f2c..."])  # [RunHistory]
+    log_onto_run(uri, run_id_of(run_dir), {"val/final/success": 0.8}, step=199, files=[Path("eval.md")])
+    log_compare_run(uri, runs[0].experiment_id, "compare-20260101-130000", {"kind": "compare"}, files)
+
+A run is named by its MLflow run id or by its run name (the ``mlflow.runName`` tag; our runs are
+named after their run directory), searched across all active experiments. An unknown or
+ambiguous name raises LookupError (``ragen`` turns it into a message and exit status 2).
+Everything goes through an explicit ``MlflowClient`` and run id, never the fluent active run
+(STYLE.md rule 7). These are one-shot reads and writes after training, so unlike
+:class:`~ragen_core.tracking.MLflowLogger` there is no outbox: a failure raises.
+
+Tests: ``.venv/bin/python -m pytest tests/flows/test_compare_flow.py tests/flows/test_evaluate_flow.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ragen_core.compare import RunHistory, wanted_metrics
+from ragen_core.tracking.logger import check_metric_names
+from ragen_core.tracking.mlflow_logger import default_tracking_uri
+from ragen_core.tracking.outbox import STATE_FILE
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
+
+__all__ = ["FetchedRun", "fetch_runs", "find_run", "log_compare_run", "log_onto_run", "metric_histories",
+           "run_id_of", "tracking_uri_for"]
+
+_NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
+
+
+@dataclass(frozen=True)
+class FetchedRun:
+    """A run's history plus where it lives in MLflow (a comparison run goes into the same experiment)."""
+
+    history: RunHistory
+    experiment_id: str
+
+
+def _client(uri: str) -> MlflowClient:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _by_id(client: MlflowClient, ref: str) -> Run | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(ref)
+    except MlflowException as e:
+        if e.error_code in _NOT_FOUND:
+            return None
+        raise
+
+
+def find_run(client: MlflowClient, ref: str) -> Run:
+    """The run with id ``ref``, else the one run named ``ref`` in any active experiment; LookupError otherwise."""
+    run = _by_id(client, ref)
+    if run is not None:
+        return run
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    quote = "'" if "'" not in ref else '"'
+    matches = list(client.search_runs(experiments, f"tags.mlflow.runName = {quote}{ref}{quote}",
+                                      order_by=["attributes.start_time DESC"])) if experiments else []
+    if not matches:
+        raise LookupError(f"no MLflow run with id or name {ref!r} at {client.tracking_uri}; "
+                          "list runs with `mlflow ui` or `mlflow runs list --experiment-id ...`")
+    if len(matches) > 1:
+        ids = ", ".join(m.info.run_id for m in matches[:5])
+        raise LookupError(f"{len(matches)} MLflow runs are named {ref!r} ({ids}); pass a run id instead")
+    return matches[0]
+
+
+def metric_histories(
+    client: MlflowClient, run_id: str, names: Iterable[str]
+) -> dict[str, tuple[tuple[int, float], ...]]:
+    """metric -> ((step, value), ...) sorted by step, for each of ``names`` the run has (others are left out).
+
+    When a step was logged more than once (a resumed run re-logging an iteration) the latest value wins.
+    """
+    out: dict[str, tuple[tuple[int, float], ...]] = {}
+    for name in names:
+        by_step: dict[int, tuple[int, float]] = {}
+        for m in client.get_metric_history(run_id, name):
+            if m.step not in by_step or m.timestamp >= by_step[m.step][0]:
+                by_step[m.step] = (m.timestamp, float(m.value))
+        if by_step:
+            out[name] = tuple((step, value) for step, (_, value) in sorted(by_step.items()))
+    return out
+
+
+def fetch_runs(uri: str, refs: Sequence[str]) -> list[FetchedRun]:
+    """Each run of ``refs`` (id or name) with the histories :func:`ragen_core.compare.wanted_metrics` asks for."""
+    client = _client(uri)
+    fetched = []
+    for ref in refs:
+        run = find_run(client, ref)
+        tags = dict(run.data.tags)
+        names = [m for m in wanted_metrics(tags.get("env", "")) if m in run.data.metrics]
+        history = RunHistory(name=run.info.run_name or ref, run_id=run.info.run_id, tags=tags,
+                             histories=metric_histories(client, run.info.run_id, names))
+        fetched.append(FetchedRun(history, run.info.experiment_id))
+    return fetched
+
+
+def tracking_uri_for(refs: Sequence[str]) -> str:
+    """The tracking URI recorded in the first of ``refs`` that is a local run (its config's tracking.uri),
+    else the default (``$MLFLOW_TRACKING_URI`` or ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``)."""
+    import yaml
+
+    from ragen_core.session import resolve_run_dir
+
+    for ref in refs:
+        try:
+            cfg = yaml.safe_load((resolve_run_dir(ref) / "config.yaml").read_text()) or {}
+        except (FileNotFoundError, OSError, yaml.YAMLError):
+            continue
+        uri = (cfg.get("tracking") or {}).get("uri")
+        if uri:
+            return str(uri)
+    return default_tracking_uri()
+
+
+def run_id_of(run_dir: Path) -> str | None:
+    """The MLflow run id a run directory's logger recorded (its outbox state), or None (tracking off, never created)."""
+    state = Path(run_dir) / STATE_FILE
+    if not state.is_file():
+        return None
+    return json.loads(state.read_text()).get("run_id")
+
+
+def log_onto_run(uri: str, run_id: str, metrics: dict[str, float], step: int, files: Sequence[Path],
+                 artifact_path: str | None = None) -> None:
+    """Add metrics (at ``step``) and files to an existing run without touching its status or other data."""
+    from mlflow.entities import Metric
+
+    check_metric_names(metrics)
+    client = _client(uri)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+    for path in files:
+        client.log_artifact(run_id, str(path), artifact_path)
+
+
+def log_compare_run(uri: str, experiment_id: str, run_name: str, tags: dict[str, str], files: Sequence[Path],
+                    artifact_path: str | None = None) -> str:
+    """A new, finished run in ``experiment_id`` holding ``files`` as artifacts; returns its run id."""
+    client = _client(uri)
+    run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+    try:
+        for path in files:
+            client.log_artifact(run.info.run_id, str(path), artifact_path)
+    except Exception:
+        client.set_terminated(run.info.run_id, "FAILED")
+        raise
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
