@@ -286,6 +286,12 @@ class SweepConfig:
     storage: str | None = F(None, "SQLAlchemy URL; None means sqlite:///$RAGEN_DATA_DIR/optuna.db")
     heartbeat_seconds: int = F(30, "a trial whose worker is silent this long is marked FAIL", ge=1)
     seed: int = F(0, "sampler seed", ge=0)
+    bases: tuple[str, ...] = F((), "further base experiments (relative to the sweep file): each setting runs on every base, a grid dimension named 'base'")
+    metric: str = F("val/success", "validation metric reported to Optuna per evaluation and optimised (a key of history.jsonl)")
+    pruner_startup_trials: int = F(5, "finished trials before the pruner may stop one (Optuna's n_startup_trials)", ge=0)
+    retries: int = F(1, "times a trial whose worker died (heartbeat lost) runs again as a new trial", ge=0)
+    dispatch: Literal["local", "deployment"] = F("local", "run trials in the sweep's worker processes, or as runs of a Prefect deployment")
+    deployment: str = F("ragen-train/ragen-train", "deployment (flow/deployment) of the train flow used when dispatch is deployment")
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,0 +1,264 @@
+"""The Optuna side of a sweep: storage, study, sampler/pruner, the per-trial reporter, and
+when a worker should stop.
+
+    from ragen_core.sweeps.study import open_study, trial_spec, trial_reporter
+    study = open_study(sweep, grid, storage_url(sweep))          # created, or resumed if it exists
+    spec = trial_spec(sweep, storage_url(sweep), trial._trial_id)  # the ``trial`` dict of flows.train.train
+    report = trial_reporter(spec)                                   # called by the train flow per evaluation
+
+Storage is any SQLAlchemy URL (``sqlite:///$RAGEN_DATA_DIR/optuna.db`` by default; PostgreSQL
+for workers on several machines). A heartbeat marks a trial FAIL when its worker goes silent
+for ``heartbeat_seconds``; Optuna's retry callback then queues the same parameters once more
+(``retries``), so an ablation table still gets every cell.
+
+Why the reporter opens the storage itself: the trial may run as a Prefect deployment run on
+another machine, so everything it reports (intermediate values, the curve, per-env success,
+cost, the MLflow run id, "pruned") goes through the shared storage, and the objective reads
+it back from there. Why ``remaining_trials`` and ``duplicate_of``: Optuna's GridSampler gives
+trial number i grid point i (race-free), but once the first pass is over (a retry, a resumed
+study) two workers can pick the same point; a trial whose point another trial already ran
+or is running is skipped, so each point runs to completion exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ragen_core.config import ConfigError, SweepConfig, data_dir
+from ragen_core.sweeps.objective import run_cost
+
+if TYPE_CHECKING:
+    import optuna
+
+    from ragen_core.session import Session
+
+__all__ = [
+    "PRUNED_REASON",
+    "RESULT_ATTRS",
+    "DuplicateTrial",
+    "dashboard_command",
+    "duplicate_of",
+    "fail_stale",
+    "make_pruner",
+    "make_sampler",
+    "open_storage",
+    "open_study",
+    "redact",
+    "remaining_trials",
+    "running_trials",
+    "stop_when_done",
+    "storage_url",
+    "trial_reporter",
+    "trial_spec",
+    "worker_name",
+]
+
+log = logging.getLogger("ragen")
+
+PRUNED_REASON = "pruned by optuna"
+RESULT_ATTRS = ("curve", "val", "cost", "pruned_at", "mlflow_run_id", "run_dir", "skipped")
+"""User attributes a trial writes; cleared at the start of a trial (a retry inherits the failed one's)."""
+
+
+class DuplicateTrial(Exception):
+    """Raised by a trial whose grid point another trial has run or is running (the trial ends FAIL)."""
+
+
+def storage_url(sweep: SweepConfig) -> str:
+    return sweep.storage or f"sqlite:///{data_dir() / 'optuna.db'}"
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs, tags and summaries."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def dashboard_command(url: str) -> str:
+    return f"optuna-dashboard {redact(url)}"
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def open_storage(url: str, heartbeat_seconds: int | None = None, retries: int = 0) -> optuna.storages.RDBStorage:
+    """RDBStorage on ``url``; with ``heartbeat_seconds``, silent workers' trials go FAIL (and are retried)."""
+    import optuna
+
+    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith("sqlite:///"):
+        # several worker processes write one file: wait for the lock instead of failing after 5 s
+        engine_kwargs = {"connect_args": {"timeout": 120}}
+        Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    beat: dict[str, Any] = {}
+    with warnings.catch_warnings():  # heartbeat and retry are "experimental" in Optuna since v2.8
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if heartbeat_seconds:
+            beat = {"heartbeat_interval": max(1, heartbeat_seconds // 3), "grace_period": heartbeat_seconds}
+            if retries:
+                beat["heartbeat_stale_trial_callback"] = optuna.storages.RetryHeartbeatStaleTrialCallback(
+                    max_retry=retries)
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **beat)
+
+
+def make_sampler(sweep: SweepConfig, grid: Mapping[str, Sequence[Any]] | None) -> optuna.samplers.BaseSampler:
+    import optuna
+
+    if sweep.sampler == "grid":
+        if not grid:
+            raise ConfigError("sampler: the grid sampler needs a finite grid (knobs or space lists)")
+        return optuna.samplers.GridSampler(dict(grid), seed=sweep.seed)
+    if sweep.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=sweep.seed)
+    return optuna.samplers.RandomSampler(seed=sweep.seed)
+
+
+def make_pruner(kind: str, startup_trials: int) -> optuna.pruners.BasePruner:
+    """Median of the other trials' intermediate values at the same step (warm-up is counted in
+    evaluations by the reporter, so Optuna's own step warm-up is 0)."""
+    import optuna
+
+    if kind == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=0)
+    return optuna.pruners.NopPruner()
+
+
+def open_study(sweep: SweepConfig, grid: Mapping[str, Sequence[Any]] | None, url: str) -> optuna.Study:
+    """Create the study, or load it when it exists (an interrupted study resumes)."""
+    import optuna
+
+    directions = [sweep.direction] + (["minimize"] if sweep.cost_objective != "none" else [])
+    storage = open_storage(url, sweep.heartbeat_seconds, sweep.retries)
+    study = optuna.create_study(study_name=sweep.name, storage=storage, sampler=make_sampler(sweep, grid),
+                                pruner=make_pruner(sweep.pruner, sweep.pruner_startup_trials),
+                                directions=directions, load_if_exists=True)
+    found = [d.name.lower() for d in study.directions]
+    if found != directions:
+        raise ConfigError(f"name: study {sweep.name!r} in {redact(url)} optimises {found}, this sweep {directions}; "
+                          "use another study name")
+    return study
+
+
+def trial_spec(sweep: SweepConfig, url: str, trial_id: int) -> dict[str, Any]:
+    """The ``trial`` argument of flows.train.train: plain JSON, so it travels to a deployment run."""
+    return {"storage": url, "study_name": sweep.name, "trial_id": int(trial_id), "metric": sweep.metric,
+            "pruner": sweep.pruner, "pruner_startup_trials": sweep.pruner_startup_trials,
+            "pruner_warmup": sweep.pruner_warmup}
+
+
+def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, float]], None]:
+    """A callback for the train flow: report the metric after each evaluation; prune cleanly.
+
+    On pruning it sets ``sess.stop_reason`` (the flow's loop ends and the run finishes
+    normally) and stores ``pruned_at``, which the objective turns into ``optuna.TrialPruned``.
+    """
+    import optuna
+
+    storage = open_storage(str(spec["storage"]))  # no heartbeat here: the worker running the objective beats
+    study = optuna.load_study(study_name=str(spec["study_name"]), storage=storage,
+                              pruner=make_pruner(str(spec["pruner"]), int(spec["pruner_startup_trials"])))
+    trial = optuna.trial.Trial(study, int(spec["trial_id"]))
+    metric, warmup = str(spec["metric"]), int(spec["pruner_warmup"])
+    single = len(study.directions) == 1  # Optuna has no intermediate values for several objectives
+    curve: list[list[float]] = []
+
+    def report(sess: Session, val: Mapping[str, float]) -> None:
+        if metric not in val:
+            raise KeyError(f"sweep metric {metric!r} is not among the validation metrics {sorted(val)}")
+        step, value = sess.iteration, float(val[metric])
+        curve.append([step, value])
+        per_env = {k[len("val/"):-len("/success")]: float(v) for k, v in val.items()
+                   if k.startswith("val/") and k.endswith("/success") and k != "val/success"}
+        cost = {kind: run_cost(sess.history, kind) for kind in ("generated_tokens", "seconds")}
+        for key, attr in (("curve", curve), ("val", per_env), ("cost", cost), ("run_dir", str(sess.run_dir)),
+                          ("mlflow_run_id", sess.logger.run_id)):
+            trial.set_user_attr(key, attr)
+        if not single:
+            return
+        trial.report(value, step)
+        if spec["pruner"] != "none" and len(curve) > warmup and trial.should_prune():
+            trial.set_user_attr("pruned_at", step)
+            sess.stop_reason = PRUNED_REASON
+            sess.say(f"[sweep] trial {trial.number}: {metric} {value:.3f} at iteration {step} is below the "
+                     "median of earlier trials; pruned")
+
+    return report
+
+
+def _live(t: optuna.trial.FrozenTrial) -> bool:
+    from optuna.trial import TrialState
+
+    return t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+
+
+def remaining_trials(study: optuna.Study, target: int, gridded: bool) -> int:
+    """Trials still to start (queued retries included) before the study has ``target`` trials.
+
+    Grid: ``target`` grid points, each covered by any trial of it (a crashed one too: the
+    same configuration would crash again; a lost worker's trial is covered by its retry).
+    Otherwise: every trial counts, failed ones too, except those that were retried.
+    """
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    waiting = sum(t.state == TrialState.WAITING for t in trials)
+    if gridded:
+        covered = {t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs}
+        return max(0, target - len(covered)) + waiting
+    retried = {t.system_attrs["failed_trial"] for t in trials if "failed_trial" in t.system_attrs}
+    counted = sum(1 for t in trials if t.state != TrialState.WAITING and t.number not in retried
+                  and not t.user_attrs.get("skipped"))
+    return max(target - counted, waiting, 0)
+
+
+def running_trials(study: optuna.Study) -> list[int]:
+    from optuna.trial import TrialState
+
+    return [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+
+
+def duplicate_of(study: optuna.Study, trial_id: int) -> int | None:
+    """The number of another trial of the same grid point that wins over this one, if any.
+
+    A finished (COMPLETE/PRUNED) one always wins; a running or queued one wins when it is older.
+    """
+    trials = study.get_trials(deepcopy=False)
+    me = next(t for t in trials if t._trial_id == trial_id)
+    gid, space = me.system_attrs.get("grid_id"), me.system_attrs.get("search_space")
+    if gid is None:
+        return None
+    for t in trials:
+        if t._trial_id == trial_id or t.system_attrs.get("grid_id") != gid or t.system_attrs.get("search_space") != space:
+            continue
+        finished = t.state.name in ("COMPLETE", "PRUNED")
+        if finished or (_live(t) and (t.number, t._trial_id) < (me.number, me._trial_id)):
+            return t.number
+    return None
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Mark trials whose worker stopped beating FAIL (their retry is queued by the storage's callback)."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def stop_when_done(target: int, gridded: bool) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
+    """An ``optimize`` callback: fail lost workers' trials, then stop once nothing is left to start."""
+
+    def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        fail_stale(study)
+        if remaining_trials(study, target, gridded) == 0:
+            study.stop()
+
+    return callback
