@@ -1,0 +1,143 @@
+"""The steps of a sweep that flows/sweep.py chains: the MLflow parent run, worker processes,
+waiting for running trials, and the results table on the parent run.
+
+Only ``spawn_workers`` and ``publish_results`` are Prefect tasks (visible steps in the UI;
+publishing is idempotent, so it may retry). Trials themselves are train flows, not tasks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from ragen_core.config import data_dir, load_experiment
+from ragen_core.sweeps import (
+    SweepPlan,
+    dashboard_command,
+    fail_stale,
+    redact,
+    running_trials,
+    table_rows,
+    write_table,
+)
+from ragen_core.tracking import MetricLogger, NullLogger, flatten_config
+from ragen_core.tracking.factory import tracking_uri
+
+PARENT_ATTR = "mlflow_parent_run_id"
+"""Study user attribute holding the parent run's id, so every worker and a resumed sweep nest under it."""
+
+
+def sweep_dir(plan: SweepPlan) -> Path:
+    return data_dir() / "sweeps" / plan.sweep.name
+
+
+def open_parent_run(plan: SweepPlan, study: Any, url: str, flow_run_id: str | None) -> MetricLogger:
+    """One MLflow run per study (run name = study name); a resumed study continues the same run."""
+    from ragen_core.tracking import MLflowLogger
+
+    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
+    if base.tracking.backend == "none":
+        return NullLogger(record=False)
+    known = study.user_attrs.get(PARENT_ATTR)
+    tags = {"study": plan.sweep.name, "sweep": "parent", "optuna.storage": redact(url),
+            **({"prefect.flow_run_id": flow_run_id} if flow_run_id else {})}
+    outbox = sweep_dir(plan) / "mlflow-parent"
+    try:
+        logger = MLflowLogger(tracking_uri(base), base.tracking.experiment, run_name=plan.sweep.name,
+                              run_id=known, tags=tags, outbox_dir=outbox)
+    except ValueError:  # the outbox belongs to an older study of the same name: the study's record wins
+        shutil.rmtree(outbox, ignore_errors=True)
+        logger = MLflowLogger(tracking_uri(base), base.tracking.experiment, run_name=plan.sweep.name,
+                              run_id=known, tags=tags, outbox_dir=outbox)
+    if logger.run_id and known != logger.run_id:
+        study.set_user_attr(PARENT_ATTR, logger.run_id)
+    logger.log_params({f"sweep.{k}": v for k, v in flatten_config(plan.sweep).items()})
+    return logger
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of worker processes: this one, pointed at the same Prefect API.
+
+    In Prefect's ephemeral mode the API is a temporary server inside this process; workers
+    that report there show their train runs beside the sweep's (and start no server of their own).
+    """
+    env = dict(os.environ)
+    if not env.get("PREFECT_API_URL"):
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            env["PREFECT_API_URL"] = str(client.api_url).rstrip("/")
+    return env
+
+
+@task(name="workers", cache_policy=NO_CACHE)
+def spawn_workers(plan: SweepPlan, overrides: list[str], parent_run_id: str | None, n: int) -> list[int]:
+    """Start ``n`` worker processes on the study's storage and wait for all; returns their exit codes."""
+    cmd = [sys.executable, "-m", "flows.sweep", "worker", plan.path]
+    cmd += ["--parent-run-id", parent_run_id] if parent_run_id else []
+    for item in overrides:
+        cmd += ["--set", item]
+    env = worker_env()
+    procs = [subprocess.Popen(cmd, env=env) for _ in range(n)]
+    return [p.wait() for p in procs]
+
+
+def settle(study: Any, poll_seconds: float = 2.0, say: Any = print) -> None:
+    """Wait until no trial is RUNNING: live workers finish theirs, lost workers' trials go FAIL by heartbeat."""
+    announced: set[int] = set()
+    while running := running_trials(study):
+        if set(running) - announced:
+            say(f"[sweep] waiting for running trials {running} (finished, or failed when their heartbeat stops)")
+            announced |= set(running)
+        fail_stale(study)
+        time.sleep(poll_seconds)
+
+
+@task(name="results", cache_policy=NO_CACHE)
+def publish_results(plan: SweepPlan, study: Any, parent: MetricLogger, url: str) -> str:
+    """The paper-style table (CSV, Markdown, PNG) and the best params on the parent run; a summary."""
+    from optuna.trial import TrialState
+
+    sweep = plan.sweep
+    trials = study.get_trials(deepcopy=False)
+    table = table_rows(trials, plan.table_keys, maximize=sweep.direction == "maximize",
+                       cost=sweep.cost_objective != "none", base_order=list(plan.bases))
+    title = f"{sweep.name}: {sweep.objective} {sweep.metric}"
+    paths = write_table(table, sweep_dir(plan), title)
+    for path in paths.values():
+        parent.log_artifact(path, "results")
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    for t in sorted(done, key=lambda t: t.number):
+        parent.log_metrics({"val/objective": t.values[0]}, step=t.number)
+    best_line = "best: no completed trial"
+    if done and len(study.directions) == 1:
+        best = study.best_trial
+        parent.log_params({f"best.{k}": v for k, v in best.params.items()})
+        parent.log_metrics({"val/best_objective": best.value}, step=best.number)
+        parent.set_tags({"best_trial": str(best.number)})
+        best_line = f"best: trial {best.number} {best.params} -> {sweep.objective} {sweep.metric} {best.value:.4f}"
+    elif done:
+        front = sorted(t.number for t in study.best_trials)
+        parent.set_tags({"pareto_trials": ",".join(map(str, front))})
+        best_line = f"Pareto-optimal trials ({sweep.metric} vs {sweep.cost_objective}): {front}"
+    parent.flush()
+    counts = {s.name: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    return "\n".join([
+        (f"study {sweep.name}: {len(trials)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())}) "
+        f"in {redact(url)}"),
+        best_line,
+        "",
+        paths["md"].read_text().strip(),
+        "",
+        f"table: {paths['csv']} | {paths['md'].name} | {paths['png'].name}"
+        + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""),
+        f"browse the study: {dashboard_command(url)}",
+    ])
