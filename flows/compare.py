@@ -1,0 +1,47 @@
+"""The comparison flow: runs side by side from MLflow, as a table and paper-style PNG curves.
+
+    ragen compare bandit-starpo-20260101-120000 bandit-starpo-s-20260101-130000 --out compare-out
+    python -c "from flows.compare import compare; print(compare(['<run id>', '<run name>']))"
+
+Each run is an MLflow run id or run name (a run's name is its run directory's name). Writes
+``table.md``, ``table.csv``, ``curves.png`` (success, in-group reward std, entropy, grad norm,
+response and think length, update seconds over iterations) and one PNG per curve into
+``out_dir``. The pure part (rows, table, plots) is ragen_core/compare.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow
+
+from ragen_core import compare as cmp
+from ragen_core.tracking.history import tracking_uri_for
+from tasks import eval_steps as t
+
+
+@flow(name="ragen-compare")
+def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | None = None) -> str:
+    """Compare ``runs`` (MLflow run ids or names; LookupError for an unknown one); returns the table.
+
+    ``tracking_uri`` defaults to the one recorded in the first run given by a local run name or
+    directory, else ``$MLFLOW_TRACKING_URI`` or ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``.
+
+    The table and PNGs are also logged to MLflow as artifacts of a new small run
+    ``compare-<timestamp>`` (tags ``kind=compare``, ``compared_runs``) in the experiment of the first
+    run: a training run is the record of that training, so a comparison gets its own record next to it
+    rather than being attached to one of the runs it compares.
+    """
+    if not runs:
+        raise LookupError("ragen compare needs at least one run id or run name")
+    uri = tracking_uri or tracking_uri_for(runs)
+    fetched = t.fetch_runs(uri, list(runs))
+    histories = [f.history for f in fetched]
+    files = cmp.write_outputs(histories, Path(out_dir))
+    name = f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    tags = {"kind": "compare", "compared_runs": ",".join(h.run_id for h in histories)}
+    run_id = t.log_comparison(uri, fetched[0].experiment_id, name, tags, files)
+    return (cmp.table_markdown([cmp.summarize(h) for h in histories])
+            + f"\nwritten to {Path(out_dir).resolve()}: {', '.join(f.name for f in files)}"
+            + f"\nlogged as MLflow run {name} ({run_id}) at {uri}")
