@@ -83,6 +83,21 @@ def test_rows_and_table_golden():
         ev.eval_rows(metrics, ("B",), seeds=4, samples=2)
 
 
+def test_a_lora_final_model_is_loaded_as_the_adapter_over_the_base(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = load_experiment(SMOKE, ["model.lora_rank=4", "model.lora_alpha=8", "model.device=cpu"])
+    # init_lora_weights=False: B is random, so the adapter really changes the outputs
+    adapted = get_peft_model(load_model("tiny-random"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                   init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "final-model")  # what session.finish writes under LoRA
+    actor, _ = ev.load_policy(cfg, tmp_path / "final-model")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(actor(ids).logits, adapted.eval()(ids).logits)
+        assert not torch.allclose(actor(ids).logits, load_model("tiny-random")(ids).logits)
+
+
 def test_unknown_targets_say_what_was_looked_for(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no run 'nope'"):
