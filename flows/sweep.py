@@ -133,8 +133,9 @@ def train_trial(plan: SweepPlan, experiment: str, overrides: list[str], parent_r
 def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:
     """Run the trial as a deployment run and wait; it reports to Optuna through the shared storage."""
     from prefect.deployments import run_deployment
+    from prefect.settings import get_current_settings
 
-    if not os.environ.get("PREFECT_API_URL"):
+    if not get_current_settings().api.url:
         raise ConfigError("dispatch: deployment needs a Prefect server (set PREFECT_API_URL)")
     if parameters["trial"]["storage"].startswith("sqlite"):
         print("[sweep] warning: a sqlite study is reachable only from this machine; workers elsewhere need "
