@@ -150,8 +150,9 @@ def resolve_target(target: str) -> EvalTarget:
 def load_policy(cfg: ExperimentConfig, weights: Path) -> tuple[Any, Any]:
     """The actor (eval mode) and tokenizer of ``weights``, on the run's base model.
 
-    A checkpoint is restored exactly as training resumes it (same model-fact checks); a saved
-    model is a full model directory, or a LoRA adapter (adapter_config.json) over the base.
+    A checkpoint is restored with the trainer's own loader (same model-fact checks; it also restores
+    the global RNG states saved with it); a saved model is a full model directory, or a LoRA adapter
+    (adapter_config.json) over the base.
     """
     import torch
 
@@ -160,12 +161,13 @@ def load_policy(cfg: ExperimentConfig, weights: Path) -> tuple[Any, Any]:
     from ragen_core.trainer import load_checkpoint
     from ragen_core.trainer.models import resolve_device
 
-    spec = base_model_spec(cfg)
+    spec = base_model_spec(cfg)  # the format-warmed copy when model.warmup is on
+    dtype, device = getattr(torch, cfg.model.dtype), str(resolve_device(cfg.model.device))
     if (weights / "state.json").is_file():
-        model_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=spec))
-        actor = load_checkpoint(weights, model_cfg).models.actor
+        # cfg keeps the configured model name (what the checkpoint's facts record); the base passed in is
+        # the model the run actually started from, which differs from it under warm-up.
+        actor = load_checkpoint(weights, cfg, base=load_model(spec, dtype, device)).models.actor
     else:
-        dtype, device = getattr(torch, cfg.model.dtype), str(resolve_device(cfg.model.device))
         if (weights / "adapter_config.json").is_file():
             from peft import PeftModel
 
