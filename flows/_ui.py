@@ -4,6 +4,7 @@ and one summary line per iteration (printed above the bars)."""
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Self
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,7 +21,7 @@ class Reporter:
         self._bars: dict[str, int] = {}
         self.iterations = iterations
 
-    def __enter__(self) -> Reporter:
+    def __enter__(self) -> Self:
         self._progress.start()
         return self
 

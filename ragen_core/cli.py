@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -33,7 +33,7 @@ model_app = typer.Typer(help="Provision models: fetch the default, make the form
 app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override a config key: a.b=value (repeatable)")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override a config key: a.b=value (repeatable)")]
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -52,8 +52,8 @@ def _load(path: Path, overrides: list[str] | None):
 def train(
     experiment: Annotated[Path, typer.Argument(help="experiment YAML")],
     set_: SetOpt = None,
-    resume: Annotated[Optional[str], typer.Option(help="run name or run directory to continue")] = None,
-    run_name: Annotated[Optional[str], typer.Option(help="name of the new run (default: <name>-<time>)")] = None,
+    resume: Annotated[str | None, typer.Option(help="run name or run directory to continue")] = None,
+    run_name: Annotated[str | None, typer.Option(help="name of the new run (default: <name>-<time>)")] = None,
 ) -> None:
     """Train: rollout -> filter -> update -> evaluate, every iteration tracked in MLflow."""
     _load(experiment, set_)  # validate first: a bad config writes nothing
@@ -66,7 +66,7 @@ def train(
 @app.command("eval")
 def eval_(
     target: Annotated[str, typer.Argument(help="run name, run directory or checkpoint directory")],
-    seeds: Annotated[Optional[int], typer.Option(help="held-out seeds per env (default: the run's eval.seeds)")] = None,
+    seeds: Annotated[int | None, typer.Option(help="held-out seeds per env (default: the run's eval.seeds)")] = None,
     set_: SetOpt = None,
 ) -> None:
     """Evaluate a run or checkpoint on held-out seeds of its env and the generalisation variants."""
@@ -74,7 +74,7 @@ def eval_(
 
     try:
         table = evaluate_flow(target=target, seeds=seeds, overrides=list(set_ or []))
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     print(table)
 

@@ -23,9 +23,24 @@ from typing import Any, Literal
 import yaml
 
 __all__ = [
-    "ConfigError", "ModelConfig", "EnvConfig", "EvalConfig", "RolloutConfig", "AlgorithmConfig",
-    "TrainerConfig", "TrackingConfig", "HealthConfig", "ExperimentConfig", "SweepConfig", "PRESETS",
-    "load_experiment", "load_sweep", "build_config", "to_dict", "apply_overrides", "data_dir",
+    "PRESETS",
+    "AlgorithmConfig",
+    "ConfigError",
+    "EnvConfig",
+    "EvalConfig",
+    "ExperimentConfig",
+    "HealthConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "SweepConfig",
+    "TrackingConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "build_config",
+    "data_dir",
+    "load_experiment",
+    "load_sweep",
+    "to_dict",
 ]
 
 

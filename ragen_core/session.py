@@ -15,7 +15,6 @@ Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -135,7 +134,7 @@ def open_session(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Session:
     """Build (or, when ``run_dir`` holds a checkpoint, restore) everything a run needs."""
-    from ragen_core.models import load_tokenizer
+    from ragen_core.models import load_model, load_tokenizer
     from ragen_core.rollout.generators import make_generator
     from ragen_core.tracking import CollapseMonitor
     from ragen_core.trainer import init_state, load_checkpoint
@@ -143,10 +142,10 @@ def open_session(
     run_dir = run_dir or data_dir() / "runs" / new_run_name(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_spec = base_model_spec(cfg, say)
-    model_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=model_spec))
+    # A warmed copy is passed as the starting weights, so checkpoints keep the configured model name.
+    base = load_model(model_spec) if model_spec != cfg.model.name else None
     ckpt = latest_checkpoint(run_dir)
-    state = load_checkpoint(ckpt, model_cfg) if ckpt else init_state(model_cfg)
-    state.cfg = cfg
+    state = load_checkpoint(ckpt, cfg, base) if ckpt else init_state(cfg, base)
     h = cfg.health
     monitor = CollapseMonitor(h.baseline_iters, h.std_drop, h.entropy_drop, h.grad_z, h.patience,
                               "off" if h.action == "off" else h.action)

@@ -38,16 +38,23 @@ def plot_curves(
     nrows = math.ceil(len(metrics) / ncols)
     fig = Figure(figsize=(5.5 * ncols, 3.4 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
+    from matplotlib.ticker import MaxNLocator
+
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    # a line style and marker per run, so identical curves (e.g. two runs at 0 success) stay visible
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
     for ax, metric in zip(axes, metrics):
         drawn = False
-        for run, series in histories.items():
+        for n, (run, series) in enumerate(histories.items()):
             points = sorted(series.get(metric, ()))
             if not points:
                 continue
             steps, values = zip(*points)
-            ax.plot(steps, values, label=run, linewidth=1.6, marker="o" if len(points) < 20 else None, markersize=3)
+            line, marker = styles[n % len(styles)]
+            ax.plot(steps, values, label=run, linewidth=1.6, linestyle=line,
+                    marker=marker if len(points) < 30 else None, markersize=4, alpha=0.85)
             drawn = True
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(metric, fontsize=10)
         ax.set_xlabel("iteration")
         ax.grid(True, alpha=0.3)

@@ -42,7 +42,7 @@ def smoke_run(tmp_path_factory):
 
 
 def test_iterations_ran_and_are_recorded(smoke_run) -> None:
-    data, result = smoke_run
+    _, result = smoke_run
     assert result.iterations == 2 and result.run_name == "smoke-a"
     run_dir = Path(result.run_dir)
     rows = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]

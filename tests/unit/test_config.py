@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from ragen_core.config import (
-    PRESETS, ConfigError, ExperimentConfig, field_docs, load_experiment, load_sweep, to_dict,
+    PRESETS,
+    ConfigError,
+    ExperimentConfig,
+    field_docs,
+    load_experiment,
+    load_sweep,
+    to_dict,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragen_core.config import ConfigError, ExperimentConfig, EvalConfig
+from ragen_core.config import ConfigError, EvalConfig, ExperimentConfig
 from ragen_core.rollout.evaluate import heldout_seeds
 from ragen_core.session import TRAIN_SEED_OFFSET, train_seeds
 
