@@ -69,6 +69,9 @@ def _load_trainable(tensors: dict[str, torch.Tensor], *named: tuple[str, nn.Modu
                 expected.add(key)
                 if key not in tensors:
                     raise ValueError(f"checkpoint lacks parameter {key!r}; was it saved with another model or LoRA setting?")
+                if tensors[key].shape != p.shape:
+                    raise ValueError(f"checkpoint parameter {key!r} has shape {tuple(tensors[key].shape)}, "
+                                     f"the model's is {tuple(p.shape)}: another base model?")
                 p.copy_(tensors[key].to(p.device, p.dtype))
     extra = set(tensors) - expected
     if extra:
@@ -101,9 +104,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _model_facts(cfg: ExperimentConfig) -> dict[str, Any]:
-    """What the saved weights depend on; a restore under other values cannot be right."""
-    return {"model": cfg.model.name, "lora_rank": cfg.model.lora_rank, "lora_target": cfg.model.lora_target,
-            "critic": cfg.algorithm.critic}
+    """What the saved tensors' layout depends on; a restore under other values cannot be right.
+
+    The model spec itself is recorded (``model`` in state.json) but not compared: the same base can
+    be named differently (a warm-up copy's absolute path moves with $RAGEN_DATA_DIR), and a
+    different architecture is caught anyway by the parameter names and shapes.
+    """
+    return {"lora_rank": cfg.model.lora_rank, "lora_target": cfg.model.lora_target, "critic": cfg.algorithm.critic}
 
 
 def save_checkpoint(state: TrainState, directory: str | os.PathLike[str]) -> Path:
@@ -124,7 +131,7 @@ def save_checkpoint(state: TrainState, directory: str | os.PathLike[str]) -> Pat
         torch.save(engines, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         meta = {"format": CHECKPOINT_FORMAT, "iteration": state.iteration, "env_seed_counter": state.env_seed_counter,
-                **_model_facts(state.cfg), "config": to_dict(state.cfg)}
+                "model": state.cfg.model.name, **_model_facts(state.cfg), "config": to_dict(state.cfg)}
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
         old = target.with_name(f".old-{target.name}-{os.getpid()}")
         if target.exists():  # os.replace cannot overwrite a non-empty directory: move the old one aside
@@ -143,7 +150,7 @@ def load_checkpoint(
 
     ``base`` as for :func:`init_state` (the frozen weights under LoRA come from it,
     or from ``cfg.model.name``). Raises ValueError when the checkpoint was made
-    for another model, LoRA setting or critic kind.
+    for another LoRA setting or critic kind, or its tensors do not fit the model.
     """
     path = Path(directory)
     meta_file = path / "state.json"

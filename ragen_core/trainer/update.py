@@ -101,6 +101,13 @@ def _take(x: torch.Tensor | None, rows: torch.Tensor, width: int) -> torch.Tenso
     return None if x is None else x.index_select(0, rows)[:, :width]
 
 
+def _on(batch: TokenBatch, device: torch.device) -> TokenBatch:
+    """The batch's tensors on ``device`` (the batch itself stays where it is: selection runs on CPU)."""
+    if batch.input_ids.device == device:
+        return batch
+    return TokenBatch(**{k: v.to(device, non_blocking=True) for k, v in vars(batch).items()})
+
+
 def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
@@ -114,15 +121,15 @@ def _rollout_side(
     if not has_critic and not models.use_reference:
         return None, None
     values, ref = [], []
-    width = batch.input_ids.shape[1]
+    width, device = batch.input_ids.shape[1], models.device
     for s in micro_slices(batch.batch_size, cfg.trainer.micro_batch_size):
-        mb = batch.select(torch.arange(s.start, s.stop))
+        mb = _on(batch.select(torch.arange(s.start, s.stop)), device)
         if has_critic:
-            values.append(_pad_to(critic_values(models, mb.input_ids, mb.attention_mask), width))
+            values.append(_pad_to(critic_values(models, mb.input_ids, mb.attention_mask).float().cpu(), width))
         if models.use_reference:
             lp = reference_logprobs(models, mb.input_ids, mb.attention_mask, cfg.rollout.temperature,
                                     cfg.trainer.logprob_chunk)
-            ref.append(_pad_to(lp, width))
+            ref.append(_pad_to(lp.cpu(), width))
     return (torch.cat(values) if values else None), (torch.cat(ref) if ref else None)
 
 
@@ -167,6 +174,7 @@ def update(
     if batch.batch_size < tr.online_k:
         raise ValueError(f"{batch.batch_size} rows cannot make trainer.online_k={tr.online_k} mini-batches")
     models.train()
+    batch = _on(batch, torch.device("cpu"))  # bookkeeping on CPU; micro-batches go to the model's device
     old_values, ref_logprobs = _rollout_side(models, batch, cfg)
     rewards = _token_rewards(batch, ref_logprobs, algo)
     advantages, returns = compute_advantages(batch, rewards, old_values, algo)
@@ -187,6 +195,9 @@ def update(
         if key.endswith("grad_norm"):
             metrics[key + "_max"] = max(values)
     metrics.update(_batch_metrics(batch, advantages, returns, old_values, think_tokens))
+    if ref_logprobs is not None and algo.kl_in_reward:  # KL of the rollout policy to the reference
+        kl = losses.kl_penalty(batch.old_logprobs, ref_logprobs, algo.kl_estimator)
+        metrics["actor/kl_ref"] = float(masked_mean(kl, batch.loss_mask))
     metrics["actor/lr"] = state.actor_engine.lr
     if state.critic_engine is not None:
         metrics["critic/lr"] = state.critic_engine.lr
@@ -220,8 +231,11 @@ def _mini_batch_step(
     kl_in_loss = ref_logprobs is not None and not algo.kl_in_reward
     totals: dict[str, float] = defaultdict(float)
 
+    device = models.device
+    mb_adv, mb_ret, mb_values, mb_ref = (
+        None if x is None else x.to(device) for x in (mb_adv, mb_ret, mb_values, mb_ref))
     for s in micro_slices(mb.batch_size, tr.micro_batch_size):
-        micro = mb.select(torch.arange(s.start, s.stop))
+        micro = _on(mb.select(torch.arange(s.start, s.stop)), device)
         w = micro.input_ids.shape[1]
         m = micro.loss_mask
         out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
