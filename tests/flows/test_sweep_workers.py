@@ -8,9 +8,9 @@ from pathlib import Path
 
 import optuna
 from mlflow.tracking import MlflowClient
+from test_sweep_flow import FAST, write_sweep
 
 from flows.sweep import sweep
-from test_sweep_flow import FAST, write_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 

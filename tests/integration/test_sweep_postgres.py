@@ -77,7 +77,7 @@ def postgres_url() -> Iterator[str]:
         yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna"
     finally:
         subprocess.run(as_server_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
-                       capture_output=True)
+                       capture_output=True, check=False)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -93,7 +93,8 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 
 def ragen_sweep(sweep_file: Path, tmp_path: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     cmd = [str(Path(sys.executable).parent / "ragen"), "sweep", str(sweep_file), *args]
-    return subprocess.run(cmd, env=cli_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=cli_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 def test_two_workers_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
