@@ -50,7 +50,8 @@ class ConfigError(ValueError):
 
 def data_dir() -> Path:
     """Where runs, models and databases go: ``$RAGEN_DATA_DIR`` (default ``./data``), absolute."""
-    return Path(os.environ.get("RAGEN_DATA_DIR", "data")).expanduser().resolve()
+    raw = os.environ.get("RAGEN_DATA_DIR", "").strip()  # unset or empty (e.g. a blank job variable): ./data
+    return Path(raw or "data").expanduser().resolve()
 
 
 def F(default: Any, doc: str, **bounds: float) -> Any:
@@ -75,6 +76,7 @@ class ModelConfig:
     device: Literal["auto", "cpu", "cuda"] = F("auto", "where the actor and critic live; auto picks cuda when available")
     warmup: bool = F(False, "start from the format-warmed copy of the model (ragen model warmup), made once and cached")
     warmup_steps: int = F(60, "supervised steps of the format warm-up", ge=1)
+    warmup_lr: float = F(1e-4, "AdamW learning rate of the format warm-up (full fine-tuning)", gt=0.0)
     lora_rank: int = F(0, "LoRA rank; 0 means full fine-tuning (reference LoRA: 64)", ge=0)
     lora_alpha: int = F(64, "LoRA alpha", ge=1)
     lora_target: str = F("all-linear", "peft target_modules ('all-linear' or a comma list)")

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch  # needed for the default of load_model's dtype; transformers stays lazy
 
+from ragen_core import config
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -96,10 +98,8 @@ _DEFAULT_SOURCE = WheelSource(
 
 
 def data_dir() -> Path:
-    """``$RAGEN_DATA_DIR`` (or ``./data`` when unset), created on demand."""
-    raw = os.environ.get("RAGEN_DATA_DIR", "").strip()
-    path = Path(raw).expanduser() if raw else Path("data")
-    path = path.absolute()
+    """:func:`ragen_core.config.data_dir`, created on demand."""
+    path = config.data_dir()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
