@@ -101,6 +101,23 @@ def settle(study: Any, poll_seconds: float = 2.0, say: Any = print) -> None:
         time.sleep(poll_seconds)
 
 
+def close_lost_runs(plan: SweepPlan, trials: list[Any]) -> None:
+    """Mark FAILED the MLflow runs of trials that failed while their run was open (a killed worker)."""
+    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
+    lost = [t.user_attrs["mlflow_run_id"] for t in trials if t.state.name == "FAIL" and t.user_attrs.get("mlflow_run_id")]
+    if not lost or base.tracking.backend == "none":
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri(base))
+    for run_id in lost:
+        try:
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, "FAILED")
+        except Exception as e:  # noqa: BLE001 -- a tracking hiccup must not lose the results table
+            print(f"[sweep] could not mark MLflow run {run_id} FAILED: {e}")
+
+
 @task(name="results", cache_policy=NO_CACHE)
 def publish_results(plan: SweepPlan, study: Any, parent: MetricLogger, url: str) -> str:
     """The paper-style table (CSV, Markdown, PNG) and the best params on the parent run; a summary."""
@@ -108,6 +125,7 @@ def publish_results(plan: SweepPlan, study: Any, parent: MetricLogger, url: str)
 
     sweep = plan.sweep
     trials = study.get_trials(deepcopy=False)
+    close_lost_runs(plan, trials)
     table = table_rows(trials, plan.table_keys, maximize=sweep.direction == "maximize",
                        cost=sweep.cost_objective != "none", base_order=list(plan.bases))
     title = f"{sweep.name}: {sweep.objective} {sweep.metric}"

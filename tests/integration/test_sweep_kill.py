@@ -13,6 +13,7 @@ from pathlib import Path
 import optuna
 import psutil
 import pytest
+from mlflow.tracking import MlflowClient
 from test_sweep_postgres import FAST, REPO, SMOKE, cli_env
 
 pytestmark = pytest.mark.integration
@@ -20,17 +21,15 @@ pytestmark = pytest.mark.integration
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def wait_for_trial_in_training(url: str, sweep: subprocess.Popen, timeout: float = 400) -> tuple[int, int]:
+def wait_for_trial_in_training(url: str, sweep: subprocess.Popen, log: Path, timeout: float = 400) -> tuple[int, int]:
     """(trial number, worker pid) of a trial that has evaluated once and is now training."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert sweep.poll() is None, "the sweep ended before any trial was seen training"
         trials = []
-        if Path(url.removeprefix("sqlite:///")).exists():  # do not race the sweep at creating the database
-            try:
-                trials = optuna.load_study(study_name="kill-sweep", storage=url).get_trials(deepcopy=False)
-            except Exception:  # noqa: BLE001 -- study or tables not created yet: look again
-                pass
+        # read only once the sweep has made the database and study (a second creator would race it)
+        if "[sweep] study kill-sweep in" in log.read_text(errors="replace"):
+            trials = optuna.load_study(study_name="kill-sweep", storage=url).get_trials(deepcopy=False)
         for t in trials:
             if t.state.name == "RUNNING" and t.user_attrs.get("curve") and t.user_attrs.get("worker"):
                 return t.number, int(t.user_attrs["worker"].rsplit(":", 1)[1])
@@ -45,20 +44,19 @@ def test_killed_worker_trial_fails_and_the_study_completes(tmp_path: Path) -> No
     # two updates per trial leave time to kill one while it trains; a 6 s heartbeat notices quickly
     path.write_text(f"name: kill-sweep\nbase: {SMOKE}\noverrides: {[*FAST, 'trainer.iterations=2']}\n"
                     "knobs: {responses_per_prompt: [1, 2, 4]}\npruner: none\nheartbeat_seconds: 6\nretries: 1\n")
-    log = open(tmp_path / "sweep.log", "w")
-    sweep = subprocess.Popen([str(Path(sys.executable).parent / "ragen"), "sweep", str(path), "--workers", "2"],
-                             env=cli_env(tmp_path), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    try:
-        number, pid = wait_for_trial_in_training(url, sweep)
-        # only a process this test started: a worker child of the sweep command
-        assert pid in {p.pid for p in psutil.Process(sweep.pid).children(recursive=True)}
-        os.kill(pid, signal.SIGKILL)
-        rc = sweep.wait(timeout=600)
-    finally:
-        if sweep.poll() is None:
-            os.killpg(sweep.pid, signal.SIGKILL)
-        log.close()
+    with open(tmp_path / "sweep.log", "w") as log:
+        sweep = subprocess.Popen([str(Path(sys.executable).parent / "ragen"), "sweep", str(path), "--workers", "2"],
+                                 env=cli_env(tmp_path), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            number, pid = wait_for_trial_in_training(url, sweep, tmp_path / "sweep.log")
+            # only a process this test started: a worker child of the sweep command
+            assert pid in {p.pid for p in psutil.Process(sweep.pid).children(recursive=True)}
+            os.kill(pid, signal.SIGKILL)
+            rc = sweep.wait(timeout=600)
+        finally:
+            if sweep.poll() is None:
+                os.killpg(sweep.pid, signal.SIGKILL)
     output = (tmp_path / "sweep.log").read_text(errors="replace")
     assert rc == 0, output[-5000:]
     study = optuna.load_study(study_name="kill-sweep", storage=url)
@@ -71,3 +69,7 @@ def test_killed_worker_trial_fails_and_the_study_completes(tmp_path: Path) -> No
     assert [t.state.name for t in study.trials].count("FAIL") == 1
     assert "study kill-sweep: 4 trials (COMPLETE 3, PRUNED 0, FAIL 1)" in output
     assert len((data / "sweeps" / "kill-sweep" / "results.csv").read_text().splitlines()) == 4  # header + 3
+    # the lost trial's nested MLflow run does not stay RUNNING forever
+    client = MlflowClient(f"sqlite:///{data}/mlflow.db")
+    assert client.get_run(killed.user_attrs["mlflow_run_id"]).info.status == "FAILED"
+    assert client.get_run(retry[0].user_attrs["mlflow_run_id"]).info.status == "FINISHED"
