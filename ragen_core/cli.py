@@ -21,7 +21,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ragen_core.config import ConfigError, load_experiment, load_sweep
+from ragen_core.config import ConfigError, load_experiment
 
 app = typer.Typer(
     help="Multi-turn RL (StarPO / StarPO-S) for LLM agents on text games.",
@@ -86,8 +86,10 @@ def sweep(
     set_: SetOpt = None,
 ) -> None:
     """Run an Optuna study over rollout-design knobs; one nested MLflow run per trial."""
+    from ragen_core.sweeps import plan_sweep
+
     try:
-        load_sweep(sweep_file, set_ or [])
+        plan_sweep(sweep_file, set_ or [])  # every grid point is built: a bad one exits 2 before any training
     except ConfigError as e:
         _fail(str(e))
     from flows.sweep import sweep as sweep_flow

@@ -283,3 +283,13 @@ def test_duplicate_of_keeps_one_run_per_grid_point() -> None:
     third = same_point()
     storage.set_trial_state_values(second, optuna.trial.TrialState.COMPLETE, [0.3])
     assert duplicate_of(study, third) == 1  # a finished run of the point always wins
+
+
+def test_cli_refuses_a_bad_grid_point_before_training(base: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ragen_core.cli import app
+
+    result = CliRunner().invoke(app, ["sweep", str(sweep_file(tmp_path, "knobs: {responses_per_prompt: [4, 3]}\n"))])
+    assert result.exit_code == 2
+    assert "3 does not divide the fixed total batch" in " ".join(result.output.split())
