@@ -219,50 +219,31 @@ def _mini_batch_step(
     meter: _Meter,
 ) -> None:
     """One optimizer step on ``rows``: accumulate micro-batch gradients, then clip and step once."""
-    algo, tr, models = cfg.algorithm, cfg.trainer, state.models
+    algo, models, device = cfg.algorithm, state.models, state.models.device
     mb = batch.select(rows)
     width = mb.input_ids.shape[1]
-    mb_adv, mb_ret = _take(advantages, rows, width), _take(returns, rows, width)
-    mb_values, mb_ref = _take(old_values, rows, width), _take(ref_logprobs, rows, width)
-    # Exact token-mean across micro-batches: every micro-batch divides by the mini-batch's count.
-    normaliser = losses.aggregation_normaliser(mb.loss_mask, algo.loss_agg)
-    value_normaliser = losses.aggregation_normaliser(mb.loss_mask, "token-mean")
-    aggregate = losses.AGGREGATIONS[algo.loss_agg]
-    kl_in_loss = ref_logprobs is not None and not algo.kl_in_reward
-    totals: dict[str, float] = defaultdict(float)
-
-    device = models.device
     mb_adv, mb_ret, mb_values, mb_ref = (
-        None if x is None else x.to(device) for x in (mb_adv, mb_ret, mb_values, mb_ref))
-    for s in micro_slices(mb.batch_size, tr.micro_batch_size):
+        None if x is None else _take(x, rows, width).to(device) for x in (advantages, returns, old_values, ref_logprobs))
+    # Exact token-mean across micro-batches: every micro-batch divides by the mini-batch's count.
+    norm = losses.aggregation_normaliser(mb.loss_mask, algo.loss_agg)
+    value_norm = losses.aggregation_normaliser(mb.loss_mask, "token-mean")
+    totals: dict[str, float] = defaultdict(float)
+    for s in micro_slices(mb.batch_size, cfg.trainer.micro_batch_size):
         micro = _on(mb.select(torch.arange(s.start, s.stop)), device)
-        w = micro.input_ids.shape[1]
-        m = micro.loss_mask
-        out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
-                             tr.logprob_chunk, entropy_grad=algo.entropy_coef > 0)
-        pg_loss, pg_stats = losses.policy_loss(
-            out.logprobs, micro.old_logprobs, mb_adv[s, :w], m, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip, agg=algo.loss_agg, normaliser=normaliser)
-        entropy = aggregate(out.entropy, m, normaliser)
-        loss = pg_loss - algo.entropy_coef * entropy
-        n_tok = float(m.sum())
-        meter.add("actor/", pg_stats, n_tok)
-        meter.add("actor/", {"entropy": losses.token_mean(out.entropy.detach(), m)}, n_tok)
-        if kl_in_loss:
-            kl = losses.kl_penalty(out.logprobs, mb_ref[s, :w], algo.kl_estimator)  # [b, w]
-            loss = loss + algo.kl_coef * aggregate(kl, m, normaliser)
-            meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), m)}, n_tok)
+        w, m, n_tok = micro.input_ids.shape[1], micro.loss_mask, float(micro.loss_mask.sum())
+        loss, pg_loss, hidden = _actor_loss(models, micro, mb_adv[s, :w], None if mb_ref is None else mb_ref[s, :w],
+                                            cfg, norm, meter)
+        totals["actor/pg_loss"] += float(pg_loss)
         if mb_ret is not None and models.value_head is not None:  # value head: one backward for both losses
-            v_loss, v_stats = _value_loss(critic_values(models, micro.input_ids, micro.attention_mask, out.hidden),
-                                          mb_values[s, :w], mb_ret[s, :w], m, algo, value_normaliser)
+            v_loss, v_stats = _value_loss(critic_values(models, micro.input_ids, micro.attention_mask, hidden),
+                                          mb_values[s, :w], mb_ret[s, :w], m, algo, value_norm)
             loss = loss + algo.value_coef * v_loss
             totals["critic/value_loss"] += float(v_loss.detach())
             meter.add("critic/", v_stats, n_tok)
         state.actor_engine.backward(loss)
-        totals["actor/pg_loss"] += float(pg_loss.detach())
         if mb_ret is not None and models.critic is not None and state.critic_engine is not None:
             v_loss, v_stats = _value_loss(models.critic(micro.input_ids, micro.attention_mask),
-                                          mb_values[s, :w], mb_ret[s, :w], m, algo, value_normaliser)
+                                          mb_values[s, :w], mb_ret[s, :w], m, algo, value_norm)
             state.critic_engine.backward(v_loss)
             totals["critic/value_loss"] += float(v_loss.detach())
             meter.add("critic/", v_stats, n_tok)
@@ -272,6 +253,36 @@ def _mini_batch_step(
         meter.steps["critic/grad_norm"].append(state.critic_engine.step())
     for key, value in totals.items():  # micro-batch losses sum to the mini-batch loss
         meter.steps[key].append(value)
+
+
+def _actor_loss(
+    models: PolicyModels,
+    micro: TokenBatch,
+    advantages: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    cfg: ExperimentConfig,
+    normaliser: float,
+    meter: _Meter,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Policy loss − entropy_coef·entropy (+ kl_coef·KL) of one micro-batch, as its share of the mini-batch.
+
+    Returns (loss with grad, policy loss detached, actor hidden states [b, w, H] for a value head).
+    """
+    algo, m = cfg.algorithm, micro.loss_mask
+    out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
+                         cfg.trainer.logprob_chunk, entropy_grad=algo.entropy_coef > 0)
+    pg_loss, pg_stats = losses.policy_loss(
+        out.logprobs, micro.old_logprobs, advantages, m, clip_low=algo.clip_low, clip_high=algo.clip_high,
+        dual_clip=algo.dual_clip, agg=algo.loss_agg, normaliser=normaliser)
+    aggregate = losses.AGGREGATIONS[algo.loss_agg]
+    loss = pg_loss - algo.entropy_coef * aggregate(out.entropy, m, normaliser)
+    n_tok = float(m.sum())
+    meter.add("actor/", {**pg_stats, "entropy": losses.token_mean(out.entropy.detach(), m)}, n_tok)
+    if ref_logprobs is not None and not algo.kl_in_reward:
+        kl = losses.kl_penalty(out.logprobs, ref_logprobs, algo.kl_estimator)  # [b, w]
+        loss = loss + algo.kl_coef * aggregate(kl, m, normaliser)
+        meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), m)}, n_tok)
+    return loss, pg_loss.detach(), out.hidden
 
 
 def _value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
