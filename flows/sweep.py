@@ -36,6 +36,7 @@ from ragen_core.sweeps import (
     plan_sweep,
     redact,
     remaining_trials,
+    requeue_interrupted,
     stop_when_done,
     storage_url,
     suggest_params,
@@ -59,7 +60,11 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
     status = "FAILED"
     try:
         finished = -1
-        while (todo := remaining_trials(study, plan.target, plan.grid is not None)) or finished < 0:
+        while True:
+            requeue_interrupted(study, plan.sweep.retries)  # a resumed study reruns interrupted trials
+            todo = remaining_trials(study, plan.target, plan.grid)
+            if not todo and finished >= 0:
+                break
             if todo and workers > 1:
                 st.spawn_workers(plan, overrides, parent.run_id, min(workers, todo))
             elif todo:
@@ -80,12 +85,11 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
 def run_worker(plan: SweepPlan, url: str, parent_run_id: str | None) -> None:
     """Run trials on the shared study until nothing is left to start (one worker's loop)."""
     study = open_study(plan.sweep, plan.grid, url)
-    gridded = plan.grid is not None
-    if remaining_trials(study, plan.target, gridded) == 0:
+    if remaining_trials(study, plan.target, plan.grid) == 0:
         return
     # catch: a crashing trial ends FAIL and the worker goes on with the next one
     study.optimize(lambda trial: objective(trial, plan, url, parent_run_id), catch=(Exception,),
-                   callbacks=[stop_when_done(plan.target, gridded)], gc_after_trial=True)
+                   callbacks=[stop_when_done(plan.target, plan.grid)], gc_after_trial=True)
 
 
 def objective(trial: Any, plan: SweepPlan, url: str, parent_run_id: str | None) -> float | tuple[float, float]:
@@ -104,8 +108,13 @@ def objective(trial: Any, plan: SweepPlan, url: str, parent_run_id: str | None) 
     experiment, overrides = trial_experiment(plan.sweep, params, plan.bases)
     trial.set_user_attr("overrides", overrides)
     trial.set_user_attr("worker", worker_name())
-    result = train_trial(plan, experiment, overrides, parent_run_id, trial.number,
-                         trial_spec(plan.sweep, url, trial._trial_id))
+    try:
+        result = train_trial(plan, experiment, overrides, parent_run_id, trial.number,
+                             trial_spec(plan.sweep, url, trial._trial_id))
+    except BaseException as e:
+        if not isinstance(e, Exception):  # Ctrl-C or a termination signal: run it again on resume
+            trial.set_user_attr("interrupted", type(e).__name__)
+        raise
     if result is not None:
         trial.set_user_attr("mlflow_run_id", result.mlflow_run_id)
     attrs = trial.study._storage.get_trial(trial._trial_id).user_attrs  # written by the trial's reporter

@@ -51,6 +51,7 @@ __all__ = [
     "open_study",
     "redact",
     "remaining_trials",
+    "requeue_interrupted",
     "running_trials",
     "stop_when_done",
     "storage_url",
@@ -62,7 +63,7 @@ __all__ = [
 log = logging.getLogger("ragen")
 
 PRUNED_REASON = "pruned by optuna"
-RESULT_ATTRS = ("curve", "val", "cost", "pruned_at", "mlflow_run_id", "run_dir", "skipped")
+RESULT_ATTRS = ("curve", "val", "cost", "pruned_at", "mlflow_run_id", "run_dir", "skipped", "interrupted")
 """User attributes a trial writes; cleared at the start of a trial (a retry inherits the failed one's)."""
 
 
@@ -199,19 +200,21 @@ def _live(t: optuna.trial.FrozenTrial) -> bool:
     return t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
 
 
-def remaining_trials(study: optuna.Study, target: int, gridded: bool) -> int:
+def remaining_trials(study: optuna.Study, target: int, grid: Mapping[str, Sequence[Any]] | None) -> int:
     """Trials still to start (queued retries included) before the study has ``target`` trials.
 
-    Grid: ``target`` grid points, each covered by any trial of it (a crashed one too: the
-    same configuration would crash again; a lost worker's trial is covered by its retry).
-    Otherwise: every trial counts, failed ones too, except those that were retried.
+    Grid: ``target`` points of this grid, each covered by any trial of it (a crashed one too:
+    the same configuration would crash again; a lost or interrupted one is covered by its
+    retry). Otherwise: every trial counts, failed ones too, except those that were retried.
     """
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
     waiting = sum(t.state == TrialState.WAITING for t in trials)
-    if gridded:
-        covered = {t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs}
+    if grid is not None:
+        space = {k: list(v) for k, v in grid.items()}  # what GridSampler stores with each trial
+        covered = {t.system_attrs["grid_id"] for t in trials
+                   if "grid_id" in t.system_attrs and t.system_attrs.get("search_space") == space}
         return max(0, target - len(covered)) + waiting
     retried = {t.system_attrs["failed_trial"] for t in trials if "failed_trial" in t.system_attrs}
     counted = sum(1 for t in trials if t.state != TrialState.WAITING and t.number not in retried
@@ -253,12 +256,39 @@ def fail_stale(study: optuna.Study) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
-def stop_when_done(target: int, gridded: bool) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
+def stop_when_done(
+    target: int, grid: Mapping[str, Sequence[Any]] | None
+) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
     """An ``optimize`` callback: fail lost workers' trials, then stop once nothing is left to start."""
 
     def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         fail_stale(study)
-        if remaining_trials(study, target, gridded) == 0:
+        if remaining_trials(study, target, grid) == 0:
             study.stop()
 
     return callback
+
+
+def requeue_interrupted(study: optuna.Study, retries: int) -> list[int]:
+    """Queue once more the trials that ended FAIL because their run was interrupted (Ctrl-C, SIGTERM).
+
+    Optuna marks such a trial FAIL like a crash; unlike a crash it says nothing about the
+    configuration, so a resumed study runs it again (at most ``retries`` times, like a lost
+    worker's trial). Returns the numbers of the trials queued again.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=retries)
+        for t in trials:
+            if t.state == TrialState.FAIL and t.user_attrs.get("interrupted") and t.number not in retried:
+                before = len(study.get_trials(deepcopy=False))
+                retry(study, t)  # Optuna's own retry: same params and grid point, retry_history kept
+                if len(study.get_trials(deepcopy=False)) > before:
+                    out.append(t.number)
+    return out

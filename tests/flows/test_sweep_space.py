@@ -18,6 +18,7 @@ from ragen_core.sweeps import (
     objective_value,
     plan_sweep,
     remaining_trials,
+    requeue_interrupted,
     run_cost,
     table_rows,
     trial_experiment,
@@ -235,19 +236,19 @@ def grid_study() -> optuna.Study:
 
 def test_remaining_trials_on_a_grid() -> None:
     study = grid_study()
-    assert remaining_trials(study, 3, gridded=True) == 3
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 3
     a, b = study.ask(), study.ask()
     a.suggest_categorical("k", [1, 2, 3])
     b.suggest_categorical("k", [1, 2, 3])
-    assert remaining_trials(study, 3, gridded=True) == 1  # running trials cover their points
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 1  # running trials cover their points
     study.tell(a, 0.5)
     study.tell(b, state=optuna.trial.TrialState.FAIL)
-    assert remaining_trials(study, 3, gridded=True) == 1  # a crashed point is not run again...
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 1  # a crashed point is not run again...
     failed = study.trials[1]
     study.add_trial(optuna.trial.create_trial(  # ...but a lost worker's point is queued once more
         state=optuna.trial.TrialState.WAITING, system_attrs={**failed.system_attrs, "failed_trial": 1}))
-    assert remaining_trials(study, 3, gridded=True) == 2
-    assert remaining_trials(study, 2, gridded=True) == 1  # n_trials below the grid size
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 2
+    assert remaining_trials(study, 2, grid={"k": [1, 2, 3]}) == 1  # n_trials below the grid size
 
 
 def test_remaining_trials_without_a_grid() -> None:
@@ -255,11 +256,11 @@ def test_remaining_trials_without_a_grid() -> None:
     for state in ("COMPLETE", "FAIL", "PRUNED"):
         study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState[state], value=0.1
                                                   if state != "FAIL" else None))
-    assert remaining_trials(study, 5, gridded=False) == 2  # failed attempts count, so a crash loop ends
+    assert remaining_trials(study, 5, grid=None) == 2  # failed attempts count, so a crash loop ends
     study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING,
                                               system_attrs={"failed_trial": 1}))
     # the queued retry replaces trial 1: 5 - 2 counted (0 and 2) = 3 to start, the retry among them
-    assert remaining_trials(study, 5, gridded=False) == 3
+    assert remaining_trials(study, 5, grid=None) == 3
 
 
 def test_duplicate_of_keeps_one_run_per_grid_point() -> None:
@@ -293,3 +294,20 @@ def test_cli_refuses_a_bad_grid_point_before_training(base: Path, tmp_path: Path
     result = CliRunner().invoke(app, ["sweep", str(sweep_file(tmp_path, "knobs: {responses_per_prompt: [4, 3]}\n"))])
     assert result.exit_code == 2
     assert "3 does not divide the fixed total batch" in " ".join(result.output.split())
+
+
+def test_interrupted_trials_are_queued_again_once() -> None:
+    study = grid_study()
+    interrupted, crashed = study.ask(), study.ask()
+    for t in (interrupted, crashed):
+        t.suggest_categorical("k", [1, 2, 3])
+    interrupted.set_user_attr("interrupted", "KeyboardInterrupt")
+    study.tell(interrupted, state=optuna.trial.TrialState.FAIL)
+    study.tell(crashed, state=optuna.trial.TrialState.FAIL)
+    assert requeue_interrupted(study, retries=1) == [0]  # a crash says the configuration fails: not again
+    assert requeue_interrupted(study, retries=1) == []  # queued once only
+    waiting = study.trials[-1]
+    assert waiting.state.name == "WAITING"
+    assert waiting.system_attrs["grid_id"] == study.trials[0].system_attrs["grid_id"]
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 2  # the third point and the queued retry
+    assert requeue_interrupted(grid_study(), retries=0) == []
