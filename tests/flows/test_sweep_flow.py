@@ -143,9 +143,12 @@ def test_pruning_stops_a_deliberately_bad_trial_early(data_dir, tmp_path) -> Non
     assert run.data.tags["stop_reason"] == "pruned by optuna" and run.info.status == "FINISHED"
 
 
-def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_dir, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("cost", ["none", "generated_tokens"])
+def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_dir, tmp_path, monkeypatch,
+                                                                         cost) -> None:
     """Each trial as a run of the ragen-train deployment: the parameters, and a reporter that talks
-    to the storage from "another machine" (here: a fake run_deployment that reports like the flow)."""
+    to the storage from "another machine" (here: a fake run_deployment that reports like the flow).
+    With a cost objective the study has two objectives: success up, generated tokens down."""
     import prefect.deployments
 
     calls = []
@@ -160,7 +163,8 @@ def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_di
 
     monkeypatch.setattr(prefect.deployments, "run_deployment", fake_run_deployment)
     monkeypatch.chdir(ROOT)
-    path = write_sweep(tmp_path, "pool", "knobs: {online_k: [2]}\ndispatch: deployment\npruner: none\n", [])
+    path = write_sweep(tmp_path, "pool", f"knobs: {{online_k: [2]}}\ndispatch: deployment\npruner: none\n"
+                                         f"cost_objective: {cost}\n", [])
     plan = plan_sweep(path)
     url = storage_url(plan.sweep)
     study = open_study(plan.sweep, plan.grid, url)
@@ -175,6 +179,7 @@ def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_di
                                "pruner_warmup": 1}
     json.dumps(params)  # deployment parameters must be plain JSON
     trial = study.trials[0]
-    assert trial.state.name == "COMPLETE" and trial.value == 0.75
+    assert trial.state.name == "COMPLETE" and trial.values == ([0.75] if cost == "none" else [0.75, 64.0])
+    assert trial.intermediate_values == ({1: 0.75} if cost == "none" else {})  # Optuna: none for 2 objectives
     assert trial.user_attrs["mlflow_run_id"] == "remote-run" and trial.user_attrs["val"] == {"Bandit": 0.75}
     assert trial.user_attrs["cost"]["generated_tokens"] == 64.0

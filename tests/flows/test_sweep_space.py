@@ -311,3 +311,12 @@ def test_interrupted_trials_are_queued_again_once() -> None:
     assert waiting.system_attrs["grid_id"] == study.trials[0].system_attrs["grid_id"]
     assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 2  # the third point and the queued retry
     assert requeue_interrupted(grid_study(), retries=0) == []
+
+
+def test_table_with_a_cost_column() -> None:
+    trials = [fake_trial(0, "COMPLETE", {"online_k": 1}, {"Bandit": 0.5}, 0.5),
+              fake_trial(1, "COMPLETE", {"online_k": 2}, {"Bandit": 0.25}, 0.25)]
+    trials[0].values, trials[1].values = [0.5, 1200.0], [0.25, 300.0]  # (success, generated tokens)
+    table = table_rows(trials, ["online_k"], cost=True)
+    assert table.columns == ["online_k", "Bandit", "objective", "cost", "state", "trials"]
+    assert [(r["objective"], r["cost"]) for r in table.rows] == [(0.5, 1200.0), (0.25, 300.0)]
