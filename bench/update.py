@@ -1,0 +1,411 @@
+"""Benchmark of the trainer update with the default model (SmolLM2-135M-Instruct), on CPU or GPU.
+
+Three ratios (issue 5) and peak memory:
+
+- ``p2`` = our update's tokens/s ÷ a raw forward+backward+AdamW loop's tokens/s, same model,
+  same rows × length, same micro-batching (target ≥ 0.85). The update is actor-only here
+  (GRPO, no KL, no critic) so both sides train one model; the raw loop computes the full
+  [B, T, V] logits and a masked next-token log-likelihood. Our side adds the chunked output
+  layer (recomputed in backward), entropy, the PPO loss and its statistics.
+- ``p5`` = seconds of filter_batch + update with keep_ratio 0.25 ÷ keep_ratio 1.0 on the same
+  rollout batch, StarPO-S (separate critic, no KL). The paper's ratio is about 0.35.
+- ``p3`` = seconds per GRPO step (rollout + update) of ours ÷ TRL's ``GRPOTrainer`` on the
+  single-turn Bandit task: same model, 4 prompts × 4 generations, 32-token completions,
+  KL 0.001 on both, no gradient checkpointing on both. TRL runs in its own interpreter (a
+  venv under /tmp that reuses this venv's packages and adds ``trl``; made on first use, pass
+  ``--no-trl`` to skip). The first step of each side is a warm-up and is not timed.
+- ``peak_rss_gib``: peak resident memory of this process during each part (sampled every 50 ms).
+
+Run:  .venv/bin/python bench/update.py [--rows 16 --seq-len 384] [--no-trl]
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Self
+
+import psutil
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TRL_VERSION = "1.16.0"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class PeakRSS:
+    """Peak resident set size of this process while the block runs (a 50 ms sampling thread)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        proc, stop = psutil.Process(), threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                self.peak = max(self.peak, proc.memory_info().rss)
+                stop.wait(0.05)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            self.peak = max(self.peak, proc.memory_info().rss)
+
+    @property
+    def gib(self) -> float:
+        return round(self.peak / 2**30, 2)
+
+
+class Clock:
+    """Wall and process CPU seconds of a block. On a shared machine CPU seconds are the steadier
+    measure (other processes' load stretches wall time, much less this process's own CPU time)."""
+
+    def __enter__(self) -> Self:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._wall
+        self.cpu = time.process_time() - self._cpu
+
+
+def _cfg(preset: str, *overrides: str):
+    from ragen_core.config import PRESETS, ExperimentConfig, apply_overrides, build_config
+
+    raw = apply_overrides({}, [f"model.name={DEFAULT_MODEL}", *overrides])
+    algo = {**PRESETS[preset].get("algorithm", {}), **raw.get("algorithm", {})}
+    return build_config(ExperimentConfig, {**raw, "preset": preset, "algorithm": algo})
+
+
+def synthetic_batch(rows: int, seq_len: int, group_size: int, vocab: int, seed: int = 0):
+    """A full-length multi-turn batch: a prompt (96 tokens, at most a quarter of the row), then replies
+    of 48 tokens (trained) alternating with 24 env tokens (masked), until ``seq_len``; reward 0/1 on
+    the last reply token."""
+    from ragen_core.types import TokenBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    pattern = torch.zeros(seq_len, dtype=torch.bool)
+    turn_ids = torch.zeros(seq_len, dtype=torch.long)
+    turn_ends = torch.zeros(seq_len, dtype=torch.bool)
+    pos, turn = min(96, seq_len // 4), 0
+    while pos < seq_len:
+        end = min(pos + 48, seq_len)
+        pattern[pos:end] = True
+        turn_ids[pos:end] = turn
+        turn_ends[end - 1] = True
+        turn_ids[end:end + 24] = turn + 1
+        pos, turn = end + 24, turn + 1
+    loss_mask = pattern.expand(rows, -1).clone()
+    returns = torch.randint(0, 2, (rows,), generator=g).float()
+    rewards = torch.zeros(rows, seq_len)
+    last = int(pattern.nonzero().max())
+    rewards[:, last] = returns
+    old_logprobs = torch.where(loss_mask, torch.full((rows, seq_len), -2.0), torch.zeros(rows, seq_len))
+    return TokenBatch(ids, torch.ones(rows, seq_len, dtype=torch.bool), loss_mask, old_logprobs, rewards,
+                      turn_ids.expand(rows, -1).clone(), turn_ends.expand(rows, -1).clone(),
+                      torch.arange(rows) // group_size, returns)
+
+
+# --------------------------------------------------------------------------- p2
+
+
+def raw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, micro: int) -> None:
+    """The baseline: forward with full logits, masked next-token log-likelihood, backward, clip, AdamW."""
+    n_loss = float(batch.loss_mask[:, 1:].sum())
+    for s in range(0, batch.batch_size, micro):
+        ids, mask = batch.input_ids[s:s + micro], batch.loss_mask[s:s + micro, 1:]
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask[s:s + micro].long()).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (-(logp * mask).sum() / n_loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def bench_p2(args: argparse.Namespace) -> dict[str, Any]:
+    from ragen_core.trainer import init_state, update
+
+    cfg = _cfg("grpo", "algorithm.kl_coef=0.0", f"trainer.micro_batch_size={args.micro}",
+               f"trainer.logprob_chunk={args.chunk}", f"rollout.responses_per_prompt={args.group_size}")
+    state = init_state(cfg)
+    vocab = int(state.models.actor.config.vocab_size)
+    batch = synthetic_batch(args.rows, args.seq_len, args.group_size, vocab)
+    warm = synthetic_batch(min(args.micro, args.rows), 64, args.group_size, vocab)
+    raw_state = init_state(cfg)  # an identical, separate model for the raw loop
+    raw_model = raw_state.models.actor
+    raw_opt = torch.optim.AdamW(raw_model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01)
+    # warm-up both paths (allocator, kernels) on a short batch
+    update(state, warm, cfg)
+    raw_step(raw_model, raw_opt, warm, args.micro)
+    ours_s, raw_s, ours_cpu, raw_cpu = [], [], [], []
+    mem_ours, mem_raw = PeakRSS(), PeakRSS()
+    for _ in range(args.repeats):  # interleaved, so load changes hit both sides alike
+        with mem_ours.measure(), Clock() as clock:
+            update(state, batch, cfg)
+        ours_s.append(clock.wall)
+        ours_cpu.append(clock.cpu)
+        with mem_raw.measure(), Clock() as clock:
+            raw_step(raw_model, raw_opt, batch, args.micro)
+        raw_s.append(clock.wall)
+        raw_cpu.append(clock.cpu)
+    tokens = float(batch.attention_mask.sum())
+    ours, raw = min(ours_s), min(raw_s)
+    print(f"p2: ours {ours:.1f}s ({tokens / ours:.1f} tok/s)  raw {raw:.1f}s ({tokens / raw:.1f} tok/s)  "
+          f"cpu-s ours {min(ours_cpu):.1f} raw {min(raw_cpu):.1f}", flush=True)
+    del state, raw_state, raw_model, raw_opt
+    return {"p2": round(raw / ours, 3), "p2_cpu": round(min(raw_cpu) / min(ours_cpu), 3),
+            "p2_update_tokens_per_s": round(tokens / ours, 1),
+            "p2_raw_tokens_per_s": round(tokens / raw, 1), "p2_update_s": round(ours, 2), "p2_raw_s": round(raw, 2),
+            "p2_shape": [args.rows, args.seq_len], "peak_rss_gib_update": mem_ours.gib,
+            "peak_rss_gib_raw": mem_raw.gib}
+
+
+# --------------------------------------------------------------------------- p5
+
+
+def bench_p5(args: argparse.Namespace) -> dict[str, Any]:
+    from ragen_core.trainer import filter_batch, init_state, update
+
+    n = args.p5_groups * args.p5_group_size
+    seconds, cpu, peak = {}, {}, {}
+    for keep in (1.0, 0.25):
+        cfg = _cfg("starpo-s", f"algorithm.keep_ratio={keep}", f"trainer.micro_batch_size={args.micro}",
+                   f"trainer.logprob_chunk={args.chunk}", f"rollout.responses_per_prompt={args.p5_group_size}")
+        state = init_state(cfg)
+        vocab = int(state.models.actor.config.vocab_size)
+        batch = synthetic_batch(n, args.p5_seq_len, args.p5_group_size, vocab, seed=1)
+        env_returns = torch.rand(n, generator=torch.Generator().manual_seed(2))  # distinct in-group stds
+        update(state, synthetic_batch(min(args.micro, n), 64, args.p5_group_size, vocab), cfg)  # warm-up
+        mem = PeakRSS()
+        with mem.measure(), Clock() as clock:
+            kept = filter_batch(batch, env_returns, cfg.algorithm)
+            update(state, kept.batch, cfg)
+        seconds[keep], cpu[keep] = clock.wall, clock.cpu
+        peak[keep] = mem.gib
+        print(f"p5: keep {keep}: {kept.batch.batch_size}/{n} rows, {seconds[keep]:.1f}s", flush=True)
+        del state
+    return {"p5": round(seconds[0.25] / seconds[1.0], 3), "p5_cpu": round(cpu[0.25] / cpu[1.0], 3),
+            "p5_keep1_s": round(seconds[1.0], 2),
+            "p5_keep025_s": round(seconds[0.25], 2), "p5_shape": [n, args.p5_seq_len],
+            "peak_rss_gib_starpo_s_update": peak[1.0]}
+
+
+# --------------------------------------------------------------------------- p3 (ours)
+
+
+def bench_p3_ours(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Seconds per GRPO step (rollout of 4×4 Bandit episodes + token batch + update); also the prompts."""
+    from ragen_core.models import load_tokenizer
+    from ragen_core.rollout import build_token_batch, run_rollouts
+    from ragen_core.rollout.generators import make_generator
+    from ragen_core.trainer import init_state, update
+
+    cfg = _cfg("grpo", "env.name=Bandit", f"rollout.prompts_per_iter={args.p3_prompts}",
+               f"rollout.responses_per_prompt={args.p3_generations}", f"rollout.max_new_tokens={args.p3_tokens}",
+               "rollout.max_turns=1", f"trainer.micro_batch_size={args.p3_prompts * args.p3_generations}")
+    state = init_state(cfg)
+    tokenizer = load_tokenizer(cfg.model.name)
+    generator = make_generator("hf", state.models.actor, tokenizer)
+    times, cpus, prompts, mem = [], [], [], PeakRSS()
+    for step in range(args.p3_steps + 1):
+        seeds = list(range(step * args.p3_prompts, (step + 1) * args.p3_prompts))
+        with mem.measure(), Clock() as clock:
+            trajs = run_rollouts(cfg.env, generator, tokenizer, cfg.rollout, seeds, args.p3_generations,
+                                 sampling_seed=step)
+            batch = build_token_batch(trajs, tokenizer, cfg.rollout)
+            update(state, batch, cfg)
+            generator.update_weights(state.models.actor)
+        times.append(clock.wall)
+        cpus.append(clock.cpu)
+        print(f"p3 ours: step {step}: {times[-1]:.1f}s ({batch.batch_size} rows × {batch.input_ids.shape[1]})",
+              flush=True)
+        for t in trajs[:: args.p3_generations]:
+            prompts.append({"prompt": tokenizer.decode(list(t.turns[0].prompt_ids)), "seed": t.seed,
+                            "prompt_tokens": len(t.turns[0].prompt_ids)})
+    timed, timed_cpu = times[1:], cpus[1:]
+    return {"p3_ours_step_s": round(sum(timed) / len(timed), 2),
+            "p3_ours_step_cpu_s": round(sum(timed_cpu) / len(timed_cpu), 2), "peak_rss_gib_grpo_step": mem.gib}, prompts
+
+
+# --------------------------------------------------------------------------- p3 (TRL)
+
+
+def ensure_trl_python(venv: Path) -> Path:
+    """A venv that sees this interpreter's packages (a .pth with site.addsitedir) and adds trl."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", "import trl"], check=False, capture_output=True).returncode == 0:
+        return python
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "ragen_parent_venv.pth").write_text(
+        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    # Pin everything this venv already has, so pip only adds trl and its missing dependencies.
+    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True,
+                            capture_output=True, text=True).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pins:
+        pins.write("\n".join(line for line in frozen.splitlines() if "@" not in line))
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", pins.name, f"trl=={TRL_VERSION}"], check=True)
+    return python
+
+
+def bench_p3_trl(args: argparse.Namespace, prompts: list[dict[str, Any]]) -> dict[str, Any]:
+    from ragen_core.models import resolve_model
+
+    python = ensure_trl_python(Path(args.trl_venv))
+    model_dir = resolve_model(DEFAULT_MODEL)  # resolved here: the worker runs in a temp dir
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp, "prompts.json")
+        spec.write_text(json.dumps(prompts))
+        cmd = [str(python), str(Path(__file__).resolve()), "--trl-worker", str(spec), "--model-dir", str(model_dir),
+               "--p3-steps", str(args.p3_steps),
+               "--p3-prompts", str(args.p3_prompts), "--p3-generations", str(args.p3_generations),
+               "--p3-tokens", str(args.p3_tokens)]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tmp)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL worker failed:\n{proc.stderr[-3000:]}")
+    for line in proc.stdout.splitlines():
+        if line.startswith("p3 trl"):
+            print(line, flush=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """Runs inside the TRL venv: GRPOTrainer on the same Bandit prompts; prints per-step seconds as JSON."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ragen_core.envs import make
+    from ragen_core.rollout.parse import parse_response
+
+    prompts = json.loads(Path(args.trl_worker).read_text())
+    need = (args.p3_steps + 1) * args.p3_prompts
+    rows = [prompts[i % len(prompts)] for i in range(need)]
+
+    def bandit_reward(prompts, completions, seed, **_: Any) -> list[float]:
+        out = []
+        for text, s in zip(completions, seed):
+            parsed = parse_response(text, think=True, max_actions=1)
+            env = make("Bandit")
+            env.reset(seed=int(s))
+            arm = env.match_action(parsed.actions[0]) if parsed.ok and parsed.actions else None
+            out.append(float(env.step(arm)[1]) if arm is not None else -0.1)
+        return out
+
+    class Timer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.cpus: list[float] = []
+            self.t0 = self.c0 = 0.0
+
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            self.times.append(time.perf_counter() - self.t0)
+            self.cpus.append(time.process_time() - self.c0)
+            print(f"p3 trl: step {len(self.times) - 1}: {self.times[-1]:.1f}s", flush=True)
+
+    path = args.model_dir
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = GRPOConfig(
+        output_dir="trl-out", max_steps=args.p3_steps + 1, learning_rate=1e-6, beta=0.001,
+        num_generations=args.p3_generations, per_device_train_batch_size=args.p3_prompts * args.p3_generations,
+        gradient_accumulation_steps=1, max_completion_length=args.p3_tokens, temperature=1.0,
+        gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none",
+        save_strategy="no", logging_steps=10_000, shuffle_dataset=False, disable_dropout=True, seed=0,
+    )
+    timer = Timer()
+    trainer = GRPOTrainer(model=model, reward_funcs=bandit_reward, args=config, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": r["prompt"], "seed": r["seed"]} for r in rows]),
+                          callbacks=[timer])
+    trainer.train()
+    timed, timed_cpu = timer.times[1:], timer.cpus[1:]
+    print(json.dumps({"p3_trl_step_s": round(sum(timed) / len(timed), 2),
+                      "p3_trl_step_cpu_s": round(sum(timed_cpu) / len(timed_cpu), 2),
+                      "trl_version": __import__("trl").__version__}))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16, help="p2: sequences in the update batch")
+    parser.add_argument("--seq-len", type=int, default=384, help="p2: tokens per sequence")
+    parser.add_argument("--micro", type=int, default=4, help="micro-batch rows (p2, p5)")
+    parser.add_argument("--chunk", type=int, default=128, help="trainer.logprob_chunk")
+    parser.add_argument("--group-size", type=int, default=4, help="p2: rows per prompt group")
+    parser.add_argument("--repeats", type=int, default=1, help="p2: timed runs per side (the fastest counts)")
+    parser.add_argument("--p5-groups", type=int, default=8, help="p5: prompt groups in the rollout batch")
+    parser.add_argument("--p5-group-size", type=int, default=4, help="p5: responses per group")
+    parser.add_argument("--p5-seq-len", type=int, default=192, help="p5: tokens per sequence")
+    parser.add_argument("--p3-prompts", type=int, default=4)
+    parser.add_argument("--p3-generations", type=int, default=4)
+    parser.add_argument("--p3-tokens", type=int, default=32, help="p3: completion tokens")
+    parser.add_argument("--p3-steps", type=int, default=2, help="p3: timed steps per side (after one warm-up)")
+    parser.add_argument("--trl-venv", default="/tmp/ragen-trl-venv", help="where the TRL interpreter lives")
+    parser.add_argument("--no-trl", action="store_true", help="skip the TRL side of p3 (p3 is then null)")
+    parser.add_argument("--only", nargs="*", choices=["p2", "p5", "p3"], default=["p2", "p5", "p3"])
+    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(args)
+        return
+
+    from ragen_core.models import resolve_model
+
+    resolve_model(DEFAULT_MODEL)  # provision once, outside the timings
+    result: dict[str, Any] = {"model": DEFAULT_MODEL, "device": "cuda" if torch.cuda.is_available() else "cpu",
+                              "threads": torch.get_num_threads(), "torch": torch.__version__}
+    started = time.perf_counter()
+    if "p2" in args.only:
+        result.update(bench_p2(args))
+    if "p5" in args.only:
+        result.update(bench_p5(args))
+    if "p3" in args.only:
+        ours, prompts = bench_p3_ours(args)
+        result.update(ours)
+        result["p3"] = None
+        if args.no_trl:
+            result["p3_note"] = "TRL side skipped (--no-trl)"
+        else:
+            try:
+                trl = bench_p3_trl(args, prompts)
+                result.update(trl)
+                result["p3"] = round(ours["p3_ours_step_s"] / trl["p3_trl_step_s"], 3)
+                result["p3_cpu"] = round(ours["p3_ours_step_cpu_s"] / trl["p3_trl_step_cpu_s"], 3)
+            except (RuntimeError, subprocess.CalledProcessError, OSError) as exc:
+                result["p3_note"] = f"TRL side failed: {str(exc)[-500:]}"
+        result["p3_prompt_tokens_mean"] = round(sum(p["prompt_tokens"] for p in prompts) / max(len(prompts), 1), 1)
+    result["bench_s"] = round(time.perf_counter() - started, 1)
+    result["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
