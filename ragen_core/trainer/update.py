@@ -319,7 +319,9 @@ def _batch_metrics(
     if returns is not None and values is not None:
         ret_var = masked_var(returns, mask)
         # Explained variance of the critic's (pre-update) values, as veRL logs it: 1 − Var(R − V)/Var(R).
-        out["critic/explained_var"] = float(1.0 - masked_var(returns - values, mask) / (ret_var + 1e-8))
+        # Undefined when every return is the same (e.g. all episodes failed alike): NaN, not -1e7.
+        ev = 1.0 - masked_var(returns - values, mask) / ret_var if float(ret_var) > 1e-8 else float("nan")
+        out["critic/explained_var"] = float(ev)
         out["critic/returns_mean"] = float(masked_mean(returns, mask))
         out["critic/values_mean"] = float(masked_mean(values, mask))
     return out
