@@ -53,9 +53,9 @@ if TYPE_CHECKING:
     from ragen_core.types import TokenBatch, Trajectory
 
 __all__ = [
-    "FORMAT_VERSION", "GENERIC_THOUGHTS", "RandomFormatGenerator", "format_reply", "format_stats",
-    "measure_format", "prefix_detached_backward", "random_policy_stats", "supervised_loss", "synthetic_dialogues", "train_format",
-    "warmup_dir", "warmup_key", "warmup_model",
+    "FORMAT_VERSION", "GENERIC_THOUGHTS", "RandomFormatGenerator", "format_reply", "format_stats", "measure_format",
+    "prefix_detached_backward", "random_policy_stats", "sample_episodes", "supervised_loss", "synthetic_dialogues",
+    "train_format", "warmup_dir", "warmup_key", "warmup_model",
 ]
 
 FORMAT_VERSION = 1
@@ -117,8 +117,8 @@ class RandomFormatGenerator:
     Free-form envs (WebShop, Countdown) get one action per reply: the loop matches all actions of a
     reply against the state before the turn, and their valid actions change with the state.
     Reply ids are the tokenizer's ids of the text plus the first stop token (as ``ScriptedGenerator``),
-    log-probs are 0.0 (nothing samples them); the thought is re-drawn among the ones that fit when a
-    reply would exceed ``max_new_tokens``.
+    log-probs are 0.0 (nothing samples them). When a reply would exceed ``max_new_tokens``, its thought
+    is replaced by the shortest one that fits.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, env_cfg: EnvConfig, rollout_cfg: RolloutConfig,
@@ -261,17 +261,22 @@ def random_policy_stats(env_cfg: EnvConfig, rollout_cfg: RolloutConfig, tokenize
     return format_stats(synthetic_dialogues(env_cfg, rollout_cfg, tokenizer, n, seed=seed, seed_start=0))
 
 
-def measure_format(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ExperimentConfig,
-                   n: int = 64, *, temperature: float = 1.0, sampling_seed: int = 0) -> dict[str, float]:
-    """Sample ``n`` episodes (env seeds 0..n-1) with the real rollout loop and the hf backend; :func:`format_stats`."""
+def sample_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ExperimentConfig,
+                    n: int = 64, *, temperature: float = 1.0, sampling_seed: int = 0) -> list[Trajectory]:
+    """``n`` episodes (env seeds 0..n-1, one each) sampled from ``model`` by the real rollout loop (hf backend)."""
     from ragen_core.rollout.generators import make_generator
     from ragen_core.rollout.loop import run_rollouts
 
     max_len = _max_length(cfg, model)
     gen = make_generator("hf", model, tokenizer, max_length=max_len)
-    trajs = run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, list(range(n)), 1, temperature,
-                         sampling_seed=sampling_seed, model_max_length=max_len)
-    return format_stats(trajs)
+    return run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, list(range(n)), 1, temperature,
+                        sampling_seed=sampling_seed, model_max_length=max_len)
+
+
+def measure_format(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ExperimentConfig,
+                   n: int = 64, *, temperature: float = 1.0, sampling_seed: int = 0) -> dict[str, float]:
+    """:func:`format_stats` of :func:`sample_episodes`: format validity and success of ``model`` on ``cfg``'s env."""
+    return format_stats(sample_episodes(model, tokenizer, cfg, n, temperature=temperature, sampling_seed=sampling_seed))
 
 
 # --------------------------------------------------------------------------- training
@@ -294,7 +299,7 @@ def supervised_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 
 
 def prefix_detached_backward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             loss_mask: torch.Tensor, grad_margin: int = 16) -> float:
+                             loss_mask: torch.Tensor, grad_margin: int = 8) -> float:
     """Backpropagate :func:`supervised_loss` with each row's prompt prefix computed under ``no_grad``; its value.
 
     [B, T] inputs. The forward is exact (same loss value as :func:`supervised_loss`); the gradient
@@ -340,14 +345,16 @@ def prefix_detached_backward(model: torch.nn.Module, input_ids: torch.Tensor, at
 
 
 def train_format(model: torch.nn.Module, batches: Iterable[TokenBatch], lr: float, *,
-                 grad_clip: float = 1.0, grad_margin: int = 16, progress: Progress | None = None) -> list[float]:
+                 grad_clip: float = 1.0, grad_margin: int = 8, progress: Progress | None = None) -> list[float]:
     """One AdamW step per batch on :func:`supervised_loss` (via :func:`prefix_detached_backward`); the losses.
 
     Trains ``model`` in place: the caller owns it (``warmup_model`` loads a fresh copy); it is left in eval mode.
     """
     batches = list(batches)
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    # fused: one kernel over all parameters (on CPU ~3-8x cheaper than the per-tensor loop, measured)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                                  fused=True)
     losses: list[float] = []
     model.train()
     for step, batch in enumerate(batches):
@@ -448,18 +455,25 @@ def warmup_model(cfg: ExperimentConfig, force: bool = False, progress: Progress 
 
 def _build(cfg: ExperimentConfig, base_path: Path, out: Path, progress: Progress | None) -> dict[str, Any]:
     """Train the warm-up from ``base_path`` and save model + tokenizer into ``out``; the marker's facts."""
-    from ragen_core.models import load_model, load_tokenizer
+    from ragen_core.models import _say, load_model, load_tokenizer
 
-    started = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):  # the caller's global RNG stream is not disturbed
-        torch.manual_seed(WARMUP_SEED)
-        tokenizer = load_tokenizer(cfg.model.name)
-        model = load_model(cfg.model.name, dtype=torch.float32, device=_device(cfg))
-        steps, lr = cfg.model.warmup_steps, cfg.model.warmup_lr
-        _say = progress or (lambda _: None)
-        _say(f"format warm-up of {cfg.model.name} on {cfg.env.name}: {steps} steps x {_BATCH} synthetic dialogues, lr {lr:g}")
-        batches = _training_batches(cfg, tokenizer, _max_length(cfg, model), steps)
-        losses = train_format(model, batches, lr, progress=progress)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    steps, lr = cfg.model.warmup_steps, cfg.model.warmup_lr
+    threads = torch.get_num_threads()
+    if cfg.trainer.threads is not None:
+        torch.set_num_threads(cfg.trainer.threads)
+    train_threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):  # the caller's global RNG stream is not disturbed
+            torch.manual_seed(WARMUP_SEED)
+            tokenizer = load_tokenizer(str(base_path))
+            model = load_model(str(base_path), dtype=torch.float32, device=_device(cfg))
+            _say(progress, f"format warm-up of {cfg.model.name} on {cfg.env.name}: {steps} steps x {_BATCH} "
+                           f"synthetic dialogues, lr {lr:g}")
+            batches = _training_batches(cfg, tokenizer, _max_length(cfg, model), steps)
+            losses = train_format(model, batches, lr, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return {
@@ -476,6 +490,8 @@ def _build(cfg: ExperimentConfig, base_path: Path, out: Path, progress: Progress
         "loss_first": round(losses[0], 4),
         "loss_last": round(losses[-1], 4),
         "seconds": round(time.perf_counter() - started, 1),
+        "cpu_seconds": round(time.process_time() - cpu_started, 1),
+        "threads": train_threads,
     }
 
 

@@ -186,7 +186,7 @@ def test_loss_of_a_model_with_all_zero_weights_is_log_vocab(tok: PreTrainedToken
     cfg = _cfg(*SOKOBAN)
     batch = build_token_batch(W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 3), tok, cfg.rollout)
     loss = W.supervised_loss(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
-    assert float(loss.detach()) == pytest.approx(math.log(model.config.vocab_size), abs=1e-5)
+    assert loss.item() == pytest.approx(math.log(model.config.vocab_size), abs=1e-5)
 
 
 def test_loss_equals_transformers_masked_label_loss_and_prefix_pass_is_exact(tok: PreTrainedTokenizerBase) -> None:
@@ -198,20 +198,20 @@ def test_loss_equals_transformers_masked_label_loss_and_prefix_pass_is_exact(tok
     labels = torch.where(lm, ids, torch.full_like(ids, -100))  # transformers' own token-mean over labels != -100
     reference = model(input_ids=ids, attention_mask=att.long(), labels=labels).loss
     ours = W.supervised_loss(model, ids, att, lm)
-    assert float(ours.detach()) == pytest.approx(float(reference), abs=1e-5)
+    assert ours.item() == pytest.approx(reference.item(), abs=1e-5)
     model.zero_grad()
     ours.backward()
     exact = {n: p.grad.clone() for n, p in model.named_parameters()}
     # margin beyond every row: nothing is detached, so value and gradient are the full ones
     model.zero_grad()
     value = W.prefix_detached_backward(model, ids, att, lm, grad_margin=10_000)
-    assert value == pytest.approx(float(reference), abs=1e-5)
+    assert value == pytest.approx(reference.item(), abs=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, exact[n], atol=1e-5, rtol=1e-4)
     # the default margin: the same value (the forward is exact), a gradient without the prefix paths
     model.zero_grad()
     value = W.prefix_detached_backward(model, ids, att, lm)
-    assert value == pytest.approx(float(reference), abs=1e-5)
+    assert value == pytest.approx(reference.item(), abs=1e-5)
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert any(not torch.allclose(grads[n], exact[n], atol=1e-6) for n in exact)
@@ -231,7 +231,7 @@ def test_rows_sharing_a_prefix_share_one_prefix_pass(tok: PreTrainedTokenizerBas
     hook.remove()
     assert len(calls) <= 4 and sum(shape[0] for shape in calls[1::2]) == 16
     reference = W.supervised_loss(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
-    assert value == pytest.approx(float(reference), abs=1e-5)
+    assert value == pytest.approx(reference.item(), abs=1e-5)
 
 
 # ----------------------------------------------------------------------------- training and cache
