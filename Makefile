@@ -8,6 +8,8 @@ STAMP := $(VENV)/.ragen-installed
 # Applies to pip's build environments too, so no package build pulls a CUDA torch.
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export RAGEN_DATA_DIR ?= $(CURDIR)/data
+# Prefect's ephemeral server may take longer than its default 20 s to start on a busy 2-core machine.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
 .PHONY: install demo test test-slow bench lint clean
 

@@ -177,7 +177,9 @@ def demo(
 
 # Set before Prefect is imported: no telemetry from a research box, and the per-task
 # "Finished in state Completed()" lines would drown the one summary line per iteration.
-QUIET_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+# Prefect's ephemeral server gets 20 s to start by default, too little on a loaded 2-core machine.
+QUIET_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
+                  "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
 
 
 def main() -> None:

@@ -179,7 +179,7 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
         per_env = {k[len("val/"):-len("/success")]: float(v) for k, v in val.items()
                    if k.startswith("val/") and k.endswith("/success") and k != "val/success"}
         cost = {kind: run_cost(sess.history, kind) for kind in ("generated_tokens", "seconds")}
-        for key, attr in (("curve", curve), ("val", per_env), ("cost", cost), ("run_dir", str(sess.run_dir)),
+        for key, attr in (("run_dir", str(sess.run_dir)), ("curve", curve), ("val", per_env), ("cost", cost),
                           ("mlflow_run_id", sess.logger.run_id)):
             trial.set_user_attr(key, attr)
         if not single:

@@ -31,7 +31,8 @@ def wait_for_trial_in_training(url: str, sweep: subprocess.Popen, log: Path, tim
         if "[sweep] study kill-sweep in" in log.read_text(errors="replace"):
             trials = optuna.load_study(study_name="kill-sweep", storage=url).get_trials(deepcopy=False)
         for t in trials:
-            if t.state.name == "RUNNING" and t.user_attrs.get("curve") and t.user_attrs.get("worker"):
+            # wait for the last attribute the report stores, so the kill cannot fall between them
+            if t.state.name == "RUNNING" and t.user_attrs.get("mlflow_run_id") and t.user_attrs.get("worker"):
                 return t.number, int(t.user_attrs["worker"].rsplit(":", 1)[1])
         time.sleep(0.5)
     raise AssertionError("no trial reached training in time")
