@@ -11,7 +11,8 @@ Three ratios (issue 5) and peak memory:
   rollout batch, StarPO-S (separate critic, no KL). The paper's ratio is about 0.35.
 - ``p3`` = seconds per GRPO step (rollout + update) of ours ÷ TRL's ``GRPOTrainer`` on the
   single-turn Bandit task: same model, 4 prompts × 4 generations, 32-token completions,
-  KL 0.001 on both, no gradient checkpointing on both. TRL runs in its own interpreter (a
+  KL 0.001 on both, no gradient checkpointing on both, forward/backward in micro-batches of
+  ``--micro`` completions on both (TRL: per-device batch × gradient accumulation). TRL runs in its own interpreter (a
   venv under /tmp that reuses this venv's packages and adds ``trl``; made on first use, pass
   ``--no-trl`` to skip). The first step of each side is a warm-up and is not timed.
 - ``peak_rss_gib``: peak resident memory of this process during each part (sampled every 50 ms).
@@ -87,6 +88,16 @@ class Clock:
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._wall
         self.cpu = time.process_time() - self._cpu
+
+
+def _release_memory() -> None:
+    """Return freed heap to the OS (glibc keeps it otherwise), so a following subprocess has room."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _cfg(preset: str, *overrides: str):
@@ -223,7 +234,7 @@ def bench_p3_ours(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[s
 
     cfg = _cfg("grpo", "env.name=Bandit", f"rollout.prompts_per_iter={args.p3_prompts}",
                f"rollout.responses_per_prompt={args.p3_generations}", f"rollout.max_new_tokens={args.p3_tokens}",
-               "rollout.max_turns=1", f"trainer.micro_batch_size={args.p3_prompts * args.p3_generations}")
+               "rollout.max_turns=1", f"trainer.micro_batch_size={args.micro}")
     state = init_state(cfg)
     tokenizer = load_tokenizer(cfg.model.name)
     generator = make_generator("hf", state.models.actor, tokenizer)
@@ -281,6 +292,7 @@ def bench_p3_trl(args: argparse.Namespace, prompts: list[dict[str, Any]]) -> dic
         cmd = [str(python), str(Path(__file__).resolve()), "--trl-worker", str(spec), "--model-dir", str(model_dir),
                "--p3-steps", str(args.p3_steps),
                "--p3-prompts", str(args.p3_prompts), "--p3-generations", str(args.p3_generations),
+               "--micro", str(args.micro),
                "--p3-tokens", str(args.p3_tokens)]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tmp)
     if proc.returncode != 0:
@@ -333,8 +345,10 @@ def trl_worker(args: argparse.Namespace) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     config = GRPOConfig(
         output_dir="trl-out", max_steps=args.p3_steps + 1, learning_rate=1e-6, beta=0.001,
-        num_generations=args.p3_generations, per_device_train_batch_size=args.p3_prompts * args.p3_generations,
-        gradient_accumulation_steps=1, max_completion_length=args.p3_tokens, temperature=1.0,
+        # 4 prompts × 4 generations per optimizer step, forward/backward 4 completions at a time (as ours)
+        num_generations=args.p3_generations, per_device_train_batch_size=args.micro,
+        gradient_accumulation_steps=args.p3_prompts * args.p3_generations // args.micro,
+        max_completion_length=args.p3_tokens, temperature=1.0,
         gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none",
         save_strategy="no", logging_steps=10_000, shuffle_dataset=False, disable_dropout=True, seed=0,
     )
@@ -391,6 +405,7 @@ def main() -> None:
         ours, prompts = bench_p3_ours(args)
         result.update(ours)
         result["p3"] = None
+        _release_memory()  # the TRL worker is a second process: give our freed model memory back first
         if args.no_trl:
             result["p3_note"] = "TRL side skipped (--no-trl)"
         else:
