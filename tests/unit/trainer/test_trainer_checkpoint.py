@@ -7,7 +7,10 @@ Run with ``python -m pytest tests/unit/trainer/test_trainer_checkpoint.py -q``.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +53,16 @@ def _snapshot(state: TrainState) -> dict[str, torch.Tensor]:
     ],
     ids=["full", "lora", "head"],
 )
-def test_resume_is_bit_identical(tmp_path: Path, overrides) -> None:
+def test_resume_is_bit_identical(tmp_path: Path, overrides, request) -> None:
+    if os.environ.get("RAGEN_RESUME_TEST_INNER") != "1":
+        # A resumed run is a new process, so the check runs in a fresh interpreter. Run in-process after
+        # the whole suite, the full-fine-tuning case once differed in every actor weight while passing
+        # alone: some state left by earlier tests changes the float results; cause not found yet.
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              f"{__file__}::{request.node.name}"], capture_output=True, text=True, check=False,
+                             env={**os.environ, "RAGEN_RESUME_TEST_INNER": "1"}, timeout=600)
+        assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+        return
     preset, extra = overrides
     cfg = make_cfg(preset, *extra)
 
