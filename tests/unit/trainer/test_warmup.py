@@ -24,6 +24,7 @@ from ragen_core.config import ExperimentConfig, apply_overrides, build_config
 from ragen_core.envs import list_envs, make
 from ragen_core.models import MARKER, check_model_dir, load_model, load_tokenizer, tiny_random
 from ragen_core.rollout.batch import build_token_batch, mask_problems
+from ragen_core.rollout.chat import ChatRenderer
 from ragen_core.rollout.loop import run_rollouts
 from ragen_core.rollout.parse import parse_response
 from ragen_core.rollout.prompts import fmt_reward
@@ -304,6 +305,8 @@ def test_warmed_tiny_model_learns_the_format(data_dir: Path, tok: PreTrainedToke
     assert marker["loss_last"] < 0.2 * marker["loss_first"]
     warmed, warmed_tok = load_model(str(path)), load_tokenizer(str(path))
     assert warmed_tok.get_vocab() == tok.get_vocab()
+    system = cfg.rollout.system_prompt  # the saved tokenizer renders dialogues exactly as the base one
+    assert ChatRenderer(warmed_tok, system).head_ids("Turn 1") == ChatRenderer(tok, system).head_ids("Turn 1")
     base_weights = load_model(TINY).state_dict()
     assert any(not torch.equal(v, base_weights[k]) for k, v in warmed.state_dict().items())
     after = W.measure_format(warmed, warmed_tok, cfg, 16)
