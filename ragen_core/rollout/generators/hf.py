@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ragen_core.rollout.generators.attention import gqa_attention
 from ragen_core.rollout.generators.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -61,7 +62,6 @@ class _Session:
 class _Row:
     """The prefill plan of one prompt row."""
 
-    index: int
     prompt: tuple[int, ...]
     reused: int
     """Leading prompt tokens whose keys/values come from the session cache."""
@@ -116,13 +116,14 @@ class HFGenerator:
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
         self._cached_bytes = 0
         self._weights_version = self._current_weights_version()
-        self._stats = dict.fromkeys((*STAT_KEYS, "reused_tokens", "calls"), 0.0)
+        self._stats = dict.fromkeys((*STAT_KEYS, "reused_tokens", "shared_prompt_tokens", "calls"), 0.0)
 
     # ------------------------------------------------------------------ protocol
 
     @property
     def stats(self) -> dict[str, float]:
-        """Cumulative counters (``STAT_KEYS`` plus ``reused_tokens``: prompt tokens taken from caches)."""
+        """Cumulative counters: ``STAT_KEYS``, ``reused_tokens`` (prompt tokens taken from session caches),
+        ``shared_prompt_tokens`` (prompt tokens of rows whose identical prompt was prefilled once)."""
         return dict(self._stats)
 
     def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
@@ -153,7 +154,7 @@ class HFGenerator:
         # eval mode: no dropout, and gradient checkpointing (training only) would switch the cache off
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), gqa_attention(self.model):
                 if self._current_weights_version() != self._weights_version:
                     self._clear_sessions()  # weights changed in place: every kept cache is stale
                     self._weights_version = self._current_weights_version()
@@ -185,120 +186,91 @@ class HFGenerator:
             # the row's old cache is consumed here; the row gets a new one after this call
             session = self._pop_session(session_ids[index])
         if session is None or not self.cache_reuse:
-            return _Row(index, ids, 0, None, limit)
+            return _Row(ids, 0, None, limit)
         # at least one prompt token must be prefilled: its logits give the first sample
         reused = min(_common_prefix(session.token_ids, ids), len(ids) - 1)
         if reused == 0:
-            return _Row(index, ids, 0, None, limit)
+            return _Row(ids, 0, None, limit)
         cached = (
             session.layers
             if reused == len(session.token_ids)
             else [(k[:, :reused], v[:, :reused]) for k, v in session.layers]
         )
-        return _Row(index, ids, reused, cached, limit)
+        return _Row(ids, reused, cached, limit)
 
     # ------------------------------------------------------------------ prefill + decode
 
     def _run(
         self, rows: list[_Row], params: SamplingParams, session_ids: Sequence[Hashable] | None
     ) -> list[Generation]:
-        n = len(rows)
         t0 = time.perf_counter()
-        layers, mask, logits = self._prefill(rows)
+        batch = self._prefill(rows)
         t1 = time.perf_counter()
         self._stats["prefill_seconds"] += t1 - t0
-        self._stats["prefill_tokens"] += sum(len(r.suffix) for r in rows)
         self._stats["reused_tokens"] += sum(r.reused for r in rows)
         self._stats["calls"] += 1
-
-        generators = row_generators(params.seed, n)
-        stop_ids = torch.tensor(params.stop_token_ids or [-1], device=self.device)
-        limits = torch.tensor([r.limit for r in rows], device=self.device)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        finish = [FINISH_LENGTH] * n
-        batch_rows = torch.arange(n, device=self.device)  # original row of each batch slot
-        alive = torch.ones(n, dtype=torch.bool, device=self.device)  # per batch slot
-        positions = mask.sum(-1)  # [B] position id of the next token of each slot
-        cache = growing_cache(layers, room=int(limits.max()))
-        del layers
-        step = 0
-        while True:
-            slots = alive.nonzero().squeeze(1)  # [A] batch slots still sampling
-            u = draw_uniforms(generators, batch_rows[slots].tolist(), self.device)
-            ids, lps = sample_from_logits(logits[slots], params.temperature, params.top_p, u)  # [A], [A]
-            step += 1
-            for slot_row, tok, lp in zip(batch_rows[slots].tolist(), ids.tolist(), lps.tolist(), strict=True):
-                tokens[slot_row].append(tok)
-                logps[slot_row].append(lp)
-            stopped = torch.isin(ids, stop_ids)  # [A]; stop_ids is [-1] (never sampled) when empty
-            done = stopped | (step >= limits[batch_rows[slots]])
-            for r in batch_rows[slots][stopped].tolist():
-                finish[r] = FINISH_STOP
-            alive[slots[done]] = False
-            if not bool(alive.any()):
-                break
-            if int(alive.sum()) < self.shrink_below * len(alive):
-                # drop finished slots: keep their caches first, then shrink every batch tensor
-                self._save_sessions(cache, mask, batch_rows, ~alive, rows, tokens, session_ids)
-                keep = alive.nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                mask, positions, batch_rows = mask[keep], positions[keep], batch_rows[keep]
-                alive, logits = alive[keep], logits[keep]
-                slots, ids, done = _reindex(slots, ids, done, keep)
-            next_ids = torch.full((len(alive),), self.pad_token_id, dtype=torch.long, device=self.device)
-            next_ids[slots] = ids
-            mask = torch.cat([mask, alive[:, None].to(mask.dtype)], dim=1)
-            out = self.model(
-                input_ids=next_ids[:, None],
-                attention_mask=mask,
-                position_ids=positions[:, None],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1, :]  # [B, V]
-            positions = positions + alive.long()
-            self._stats["decode_tokens"] += int(alive.sum())
-        self._save_sessions(cache, mask, batch_rows, torch.ones_like(alive), rows, tokens, session_ids)
+        keep = None if session_ids is None or not self.cache_reuse else self._keeper(rows, session_ids)
+        out = _decode(self.model, batch, rows, params, self.pad_token_id, self.shrink_below, keep)
         self._stats["decode_seconds"] += time.perf_counter() - t1
-        self._stats["generated_tokens"] += sum(len(t) for t in tokens)
-        return [Generation(tuple(t), tuple(lp), f) for t, lp, f in zip(tokens, logps, finish, strict=True)]
+        self._stats["decode_tokens"] += batch.fed
+        self._stats["generated_tokens"] += sum(len(g.token_ids) for g in out)
+        return out
 
-    def _prefill(self, rows: list[_Row]) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor]:
-        """Prefill every row's suffix on top of its reused cache.
+    def _prefill(self, rows: list[_Row]) -> _Batch:
+        """Prefill every row's suffix on top of its reused cache; the decode batch after it.
 
-        Returns per-layer batch keys/values ([B, H, W, D]), the mask [B, W] (long) and the last
-        position's logits [B, V]. Row b is laid out as [pad | reused cache | pad | suffix], right-aligned.
+        Rows with the same prompt and no reused cache (the N members of a prompt group on their first
+        turn) are prefilled once and copied. Row b is laid out as [pad | reused cache | pad | suffix],
+        right-aligned in a common width W.
         """
-        groups = _chunks(rows, self.prefill_chunk_tokens)
-        width = max(_chunk_width(g) for g in groups)
+        firsts: dict[tuple[int, ...], int] = {}
+        unique: list[_Row] = []
+        source: list[int] = []  # row -> its position in ``unique``
+        for r in rows:
+            key = r.prompt if r.reused == 0 else None
+            if key is None or key not in firsts:
+                if key is not None:
+                    firsts[key] = len(unique)
+                unique.append(r)
+            source.append(len(unique) - 1 if key is None else firsts[key])
+        self._stats["prefill_tokens"] += sum(len(r.suffix) for r in unique)
+        self._stats["shared_prompt_tokens"] += sum(len(r.suffix) for r in rows) - sum(
+            len(r.suffix) for r in unique
+        )
+        layers, mask, logits = self._prefill_unique(unique)
+        if len(unique) < len(rows):
+            index = torch.tensor(source, device=self.device)
+            layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
+            mask, logits = mask.index_select(0, index), logits.index_select(0, index)
+        room = max(r.limit for r in rows)
+        return _Batch(growing_cache(layers, room), mask, logits, torch.arange(len(rows), device=self.device))
+
+    def _prefill_unique(self, rows: list[_Row]) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor]:
+        """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``."""
+        groups = _chunks(list(range(len(rows))), rows, self.prefill_chunk_tokens)
+        if len(groups) == 1:
+            return self._prefill_group(rows)
+        width = max(_width([rows[i] for i in g]) for g in groups)
         mask = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
-        logits: torch.Tensor | None = None
-        layers: list[LayerKV] | None = None
+        layers: list[LayerKV] = []
+        logits = torch.empty(0)
         for group in groups:
-            g_layers, g_mask, g_logits = self._prefill_group(group)
-            index = torch.tensor([r.index for r in group], device=self.device)
-            if len(groups) == 1 and g_mask.shape[1] == width:
-                layers, mask, logits = g_layers, g_mask, g_logits
-                break
-            if layers is None:
-                shape = g_layers[0][0].shape
+            g_layers, g_mask, g_logits = self._prefill_group([rows[i] for i in group])
+            if not layers:  # allocate once the first group tells us shapes and dtypes
                 layers = [
                     (
-                        k.new_zeros(len(rows), shape[1], width, shape[3]),
-                        v.new_zeros(len(rows), shape[1], width, v.shape[3]),
+                        k.new_zeros(len(rows), k.shape[1], width, k.shape[3]),
+                        v.new_zeros(len(rows), v.shape[1], width, v.shape[3]),
                     )
                     for k, v in g_layers
                 ]
                 logits = g_logits.new_empty(len(rows), g_logits.shape[-1])
-            w = g_mask.shape[1]
+            index, w = torch.tensor(group, device=self.device), g_mask.shape[1]
             for (k, v), (gk, gv) in zip(layers, g_layers, strict=True):
                 k[index, :, width - w :] = gk
                 v[index, :, width - w :] = gv
             mask[index, width - w :] = g_mask
             logits[index] = g_logits
-        assert layers is not None and logits is not None
         return layers, mask, logits
 
     def _prefill_group(self, group: list[_Row]) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor]:
@@ -326,32 +298,25 @@ class HFGenerator:
         )
         return cache_layers(out.past_key_values), mask, out.logits[:, -1, :]
 
-    # ------------------------------------------------------------------ sessions
+    def _keeper(
+        self, rows: list[_Row], session_ids: Sequence[Hashable]
+    ) -> Callable[[_Batch, list[int], list[list[int]]], None]:
+        """A callback that stores the caches of finished batch slots for their sessions."""
 
-    def _save_sessions(
-        self,
-        cache: DynamicCache,
-        mask: torch.Tensor,
-        batch_rows: torch.Tensor,
-        which: torch.Tensor,
-        rows: list[_Row],
-        tokens: list[list[int]],
-        session_ids: Sequence[Hashable] | None,
-    ) -> None:
-        """Keep the cache of the batch slots in ``which`` ([B] bool) for their sessions."""
-        if session_ids is None or not self.cache_reuse:
-            return
-        layers = cache_layers(cache)
-        for slot in which.nonzero().squeeze(1).tolist():
-            r = int(batch_rows[slot])
-            if session_ids[r] in self._sessions:
-                continue  # saved when the batch shrank
-            # the last sampled id was never fed back, so it has no keys/values yet
-            kept = rows[r].prompt + tuple(tokens[r][:-1])
-            positions = mask[slot].nonzero().squeeze(1)
-            assert len(positions) == len(kept), (len(positions), len(kept))
-            row_layers = take_row(layers, slot, positions)
-            self._put_session(session_ids[r], _Session(kept, row_layers, kv_nbytes(row_layers)))
+        def keep(batch: _Batch, slots: list[int], tokens: list[list[int]]) -> None:
+            layers = cache_layers(batch.cache)
+            for slot in slots:
+                r = int(batch.rows[slot])
+                # the last sampled id was never fed back, so it has no keys/values yet
+                kept = rows[r].prompt + tuple(tokens[r][:-1])
+                positions = batch.mask[slot].nonzero().squeeze(1)
+                assert len(positions) == len(kept), (len(positions), len(kept))
+                row_layers = take_row(layers, slot, positions)
+                self._put_session(session_ids[r], _Session(kept, row_layers, kv_nbytes(row_layers)))
+
+        return keep
+
+    # ------------------------------------------------------------------ sessions
 
     def _put_session(self, sid: Hashable, session: _Session) -> None:
         self._drop_session(sid)
@@ -392,33 +357,106 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _chunk_width(rows: list[_Row]) -> int:
+def _width(rows: list[_Row]) -> int:
+    """Width of a prefill group: the longest reused cache plus the longest suffix."""
     return max(r.reused for r in rows) + max(len(r.suffix) for r in rows)
 
 
-def _chunks(rows: list[_Row], max_tokens: int) -> list[list[_Row]]:
-    """Group rows (sorted by length) so each group's padded size rows x width stays under max_tokens."""
-    if len(rows) * _chunk_width(rows) <= max_tokens:
-        return [rows]
-    groups: list[list[_Row]] = []
-    current: list[_Row] = []
-    for r in sorted(rows, key=lambda r: (r.reused + len(r.suffix), r.reused)):
-        if current and (len(current) + 1) * _chunk_width([*current, r]) > max_tokens:
+def _chunks(order: list[int], rows: list[_Row], max_tokens: int) -> list[list[int]]:
+    """Group row positions (by length) so each group's padded size rows x width stays under max_tokens."""
+    if len(order) * _width(rows) <= max_tokens:
+        return [order]
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(order, key=lambda i: (rows[i].reused + len(rows[i].suffix), rows[i].reused)):
+        if current and (len(current) + 1) * _width([rows[j] for j in [*current, i]]) > max_tokens:
             groups.append(current)
             current = []
-        current.append(r)
+        current.append(i)
     groups.append(current)
     return groups
 
 
-def _reindex(
-    slots: torch.Tensor, ids: torch.Tensor, done: torch.Tensor, keep: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Map the still-alive sampled slots onto the shrunk batch (``keep`` = old slots kept, in order)."""
-    live = ~done
-    new_slot = torch.full((int(keep.max()) + 1,), -1, dtype=torch.long, device=keep.device)
-    new_slot[keep] = torch.arange(len(keep), device=keep.device)
-    return new_slot[slots[live]], ids[live], done[live]
+@dataclass
+class _Batch:
+    """Decode state of the rows still in the batch (private, mutated by ``_decode`` only)."""
+
+    cache: DynamicCache
+    mask: torch.Tensor  # [B, W] long, 1 on real tokens
+    logits: torch.Tensor  # [B, V] next-token logits of each slot
+    rows: torch.Tensor  # [B] the call's row index of each slot
+    fed: int = 0
+    """Real tokens fed through decode forwards so far."""
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the slots ``keep`` ([K] long) in every batch tensor."""
+        self.cache.batch_select_indices(keep)
+        self.mask, self.logits, self.rows = self.mask[keep], self.logits[keep], self.rows[keep]
+
+
+def _decode(
+    model: torch.nn.Module,
+    batch: _Batch,
+    rows: list[_Row],
+    params: SamplingParams,
+    pad_token_id: int,
+    shrink_below: float,
+    keep: Callable[[_Batch, list[int], list[list[int]]], None] | None,
+) -> list[Generation]:
+    """Sample until every row stopped or reached its limit; ``keep`` gets each slot's cache at the end."""
+    n = len(rows)
+    streams = row_generators(params.seed, n)
+    stop_ids = torch.tensor(params.stop_token_ids or [-1], device=batch.mask.device)  # -1 is never sampled
+    limits = [r.limit for r in rows]
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logps: list[list[float]] = [[] for _ in range(n)]
+    finish = [FINISH_LENGTH] * n
+    alive = list(range(n))  # slots still sampling
+    while True:
+        slots = torch.tensor(alive, device=batch.mask.device)
+        live_rows = batch.rows[slots].tolist()
+        u = draw_uniforms(streams, live_rows, batch.mask.device)
+        ids, lps = sample_from_logits(batch.logits[slots], params.temperature, params.top_p, u)  # [A], [A]
+        stopped = torch.isin(ids, stop_ids).tolist()
+        still = []
+        for slot, r, tok, lp, stop in zip(alive, live_rows, ids.tolist(), lps.tolist(), stopped, strict=True):
+            tokens[r].append(tok)
+            logps[r].append(lp)
+            if stop:
+                finish[r] = FINISH_STOP
+            elif len(tokens[r]) < limits[r]:
+                still.append(slot)
+        if not still:
+            break
+        width = len(batch.rows)
+        next_ids = torch.full((width,), pad_token_id, dtype=torch.long, device=batch.mask.device)
+        next_ids[slots] = ids
+        if len(still) < shrink_below * width:
+            # drop finished slots: keep their caches first, then shrink every batch tensor
+            if keep is not None:
+                keep(batch, sorted(set(range(width)) - set(still)), tokens)
+            index = torch.tensor(still, device=batch.mask.device)
+            next_ids = next_ids[index]
+            batch.select(index)
+            still = list(range(len(still)))
+        live = torch.zeros(len(batch.rows), dtype=torch.long, device=batch.mask.device)
+        live[still] = 1
+        positions = batch.mask.sum(-1, keepdim=True)  # [B, 1] next position of each slot
+        batch.mask = torch.cat([batch.mask, live[:, None]], dim=1)
+        out = model(
+            input_ids=next_ids[:, None],
+            attention_mask=batch.mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.logits = out.logits[:, -1, :]
+        batch.fed += len(still)
+        alive = still
+    if keep is not None:
+        keep(batch, list(range(len(batch.rows))), tokens)
+    return [Generation(tuple(t), tuple(lp), f) for t, lp, f in zip(tokens, logps, finish, strict=True)]
 
 
 def _check_plain_attention(model: torch.nn.Module) -> None:

@@ -236,6 +236,23 @@ def test_cache_reuse_matches_full_reprefill_over_three_turns(tiny):
     assert reuse.cached_sessions == 0
 
 
+def test_cache_reuse_logprobs_equal_a_full_prefill_by_teacher_forcing(tiny):
+    # issue 4's criterion, independent of sampling: each turn's sampled tokens scored by one plain forward
+    model, tokenizer = tiny
+    gen = HFGenerator(model, tokenizer)
+    contexts = _prompts(tokenizer, TEXTS)
+    for turn in range(3):
+        out = gen.generate(contexts, SamplingParams(max_new_tokens=7, seed=turn), session_ids=["a", "b", "c"])
+        for prompt, g in zip(contexts, out, strict=True):
+            full = teacher_forced_logprobs(model, prompt, g.token_ids)
+            assert torch.allclose(torch.tensor(g.logprobs), full, atol=1e-5)
+        user = tokenizer.encode(f"<|im_end|>\nTurn {turn + 2}: State: P _ O G")
+        contexts = [
+            c + list(g.token_ids) + user[: 5 + i] for i, (c, g) in enumerate(zip(contexts, out, strict=True))
+        ]
+    assert gen.stats["reused_tokens"] > 0
+
+
 def test_cache_reuse_falls_back_when_prompt_does_not_extend_cache(tiny):
     model, tokenizer = tiny
 
@@ -312,3 +329,38 @@ def test_training_mode_is_restored(tiny):
     model.train()
     HFGenerator(model, tokenizer).generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
     assert model.training
+
+
+def test_identical_prompts_are_prefilled_once(tiny):
+    # a prompt group's N members share their first prompt: it is prefilled once, sampled N times
+    model, tokenizer = tiny
+    same = tokenizer.encode(TEXTS[0])
+    prompts = [same, tokenizer.encode(TEXTS[1]), same, same]
+    gen = HFGenerator(model, tokenizer)
+    out = gen.generate(prompts, SamplingParams(max_new_tokens=6, seed=4))
+    assert gen.stats["shared_prompt_tokens"] == 2 * len(same)
+    assert gen.stats["prefill_tokens"] == len(same) + len(prompts[1])
+    assert len({g.token_ids for g in out}) == 4  # own streams: the copies sample differently
+    for prompt, g in zip(prompts, out, strict=True):
+        assert torch.allclose(
+            torch.tensor(g.logprobs), teacher_forced_logprobs(model, prompt, g.token_ids), atol=1e-5
+        )
+
+
+def test_gqa_attention_matches_sdpa_on_padded_batch_and_restores_config(tiny):
+    from ragen_core.rollout.generators.attention import gqa_attention
+
+    model, _ = tiny
+    ids = torch.randint(5, 800, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[1, 5:8] = 0  # a hole, as cache reuse makes
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        with gqa_attention(model):
+            assert model.config._attn_implementation != "sdpa"
+            got = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.allclose(got[mask.bool()], want[mask.bool()], atol=1e-6)
