@@ -97,7 +97,8 @@ class HFGenerator:
         prefill_chunk_tokens: rows are prefilled in groups of at most this many (padded) tokens,
             which bounds the attention scores' memory.
         shrink_below: finished rows are dropped from the decode batch once the unfinished ones are
-            fewer than this fraction of it (copying the cache costs about one decode step).
+            fewer than this fraction of it. Measured (SmolLM2, one thread, 32 rows, 600 tokens): a step
+            0.27 s, dropping half the rows 0.13 s, a step with 16 rows 0.17 s, so it pays back in ~2 steps.
         max_cached_bytes: session caches beyond this are evicted, least recently used first.
         """
         self.model = model
@@ -150,6 +151,12 @@ class HFGenerator:
             raise ValueError("session ids must be distinct within one generate call")
         if not prompts:
             return []
+        for i, prompt in enumerate(prompts):  # before any session cache is touched
+            if not 0 < len(prompt) < self.max_length:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; the model's context is {self.max_length} "
+                    "(an empty prompt or a too long dialogue: see RolloutConfig.window_turns / max_context_tokens)"
+                )
         was_training = self.model.training
         # eval mode: no dropout, and gradient checkpointing (training only) would switch the cache off
         self.model.eval()
@@ -173,13 +180,6 @@ class HFGenerator:
         session_ids: Sequence[Hashable] | None,
     ) -> _Row:
         ids = tuple(int(t) for t in prompt)
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        if len(ids) >= self.max_length:
-            raise ValueError(
-                f"prompt {index} has {len(ids)} tokens but the model's context is {self.max_length}; "
-                "shorten the dialogue (RolloutConfig.window_turns / max_context_tokens)"
-            )
         limit = min(params.max_new_tokens, self.max_length - len(ids))
         session = None
         if session_ids is not None:

@@ -180,6 +180,11 @@ def test_max_length_caps_generation_and_rejects_long_prompts(tiny):
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="context"):
         gen.generate([list(range(5, 25))], SamplingParams(max_new_tokens=1))
+    # a rejected call leaves the kept caches alone
+    gen.generate([prompt[:8]], SamplingParams(max_new_tokens=2), session_ids=["kept"])
+    with pytest.raises(ValueError, match="context"):
+        gen.generate([prompt[:9], list(range(5, 25))], SamplingParams(max_new_tokens=1), session_ids=["kept", "x"])
+    assert gen.cached_sessions == 1
 
 
 def test_bad_session_ids_rejected(tiny):
