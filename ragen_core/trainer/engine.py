@@ -3,7 +3,9 @@
 The update calls only ``engine.backward(loss)`` per micro-batch and
 ``engine.step()`` once per mini-batch, so a DeepSpeed engine (ZeRO, several
 processes) can replace :class:`TorchEngine` without touching the update math.
-``ENGINES`` maps ``trainer.backend`` to a factory.
+``ENGINES`` maps ``trainer.backend`` to a factory: "torch" (:class:`TorchEngine`)
+and "deepspeed" (``ragen_core.trainer.deepspeed_engine``, imported only when
+chosen, so this module never needs deepspeed).
 
     actor_engine, critic_engine = make_engines(models, cfg)
 
@@ -22,7 +24,7 @@ from torch import nn
 from ragen_core.config import ExperimentConfig
 from ragen_core.trainer.models import PolicyModels
 
-__all__ = ["ENGINES", "Engine", "TorchEngine", "learning_rates", "make_engines"]
+__all__ = ["ENGINES", "Engine", "TorchEngine", "learning_rates", "make_engines", "trainable_parameters"]
 
 
 class Engine(Protocol):
@@ -37,6 +39,10 @@ class Engine(Protocol):
     @property
     def lr(self) -> float:
         """Learning rate of the first parameter group."""
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, world size): the update trains this process's share of each mini-batch; (0, 1) = all of it."""
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state for checkpoints."""
@@ -77,6 +83,10 @@ class TorchEngine:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        return 0, 1
+
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "skipped": self.skipped}
 
@@ -85,7 +95,8 @@ class TorchEngine:
         self.skipped = int(state.get("skipped", 0))
 
 
-def _trainable(*modules: nn.Module | None) -> list[nn.Parameter]:
+def trainable_parameters(*modules: nn.Module | None) -> list[nn.Parameter]:
+    """The parameters with ``requires_grad`` of the given modules (None entries skipped), in module order."""
     return [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
 
 
@@ -99,19 +110,26 @@ def learning_rates(cfg: ExperimentConfig) -> tuple[float, float]:
 def _torch_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Engine, Engine | None]:
     t = cfg.trainer
     actor_lr, critic_lr = learning_rates(cfg)
-    groups = [{"params": _trainable(models.actor), "lr": actor_lr}]
+    groups = [{"params": trainable_parameters(models.actor), "lr": actor_lr}]
     if models.value_head is not None:  # the head shares the actor's backward, so it shares its engine
-        groups.append({"params": _trainable(models.value_head), "lr": critic_lr})
+        groups.append({"params": trainable_parameters(models.value_head), "lr": critic_lr})
     actor = TorchEngine(groups, t.betas, t.weight_decay, t.grad_clip)
     critic = None
     if models.critic is not None:
-        critic = TorchEngine([{"params": _trainable(models.critic), "lr": critic_lr}], t.betas, t.weight_decay, t.grad_clip)
+        critic = TorchEngine([{"params": trainable_parameters(models.critic), "lr": critic_lr}], t.betas, t.weight_decay, t.grad_clip)
     return actor, critic
+
+
+def _deepspeed_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Engine, Engine | None]:
+    # Imported here, so that deepspeed is needed only when this backend is chosen.
+    from ragen_core.trainer.deepspeed_engine import deepspeed_engines
+
+    return deepspeed_engines(models, cfg)
 
 
 EngineFactory = Callable[[PolicyModels, ExperimentConfig], tuple[Engine, "Engine | None"]]
 
-ENGINES: dict[str, EngineFactory] = {"torch": _torch_engines}
+ENGINES: dict[str, EngineFactory] = {"torch": _torch_engines, "deepspeed": _deepspeed_engines}
 """trainer.backend -> factory of (actor engine, critic engine or None)."""
 
 

@@ -18,6 +18,13 @@ Steps (the math is ``ragen_core.algos``; this module only orchestrates):
 4. Actor loss = policy loss − entropy_coef·entropy (+ kl_coef·KL in the loss);
    critic loss = clipped value loss. The gradient norm is taken over each
    mini-batch's accumulated gradient (the whole update, not one micro-batch).
+5. Data parallel (an engine with ``data_parallel == (rank, W)``, W > 1, e.g.
+   DeepSpeed under torchrun): every process gets the same full batch and does
+   steps 1-2 on all of it; in step 3 it trains only its share of each
+   mini-batch's rows (:func:`rank_micro_rows`), still normalised by the whole
+   mini-batch's count, and the engine sums the ranks' gradients. The metrics
+   other than grad norms then describe this rank's rows only (losses are its
+   share of the sum). With the torch engine (W = 1) nothing changes.
 
 The update mutates ``state.models`` and the engines' optimizers in place (it
 is a training step); it never modifies ``batch``.
@@ -42,7 +49,7 @@ from ragen_core.trainer.models import PolicyModels, critic_values, reference_log
 from ragen_core.trainer.state import TrainState
 from ragen_core.types import TokenBatch, UpdateStats
 
-__all__ = ["ESTIMATORS", "compute_advantages", "micro_slices", "update"]
+__all__ = ["ESTIMATORS", "compute_advantages", "micro_slices", "rank_micro_rows", "update"]
 
 Estimator = Callable[[TokenBatch, torch.Tensor, "torch.Tensor | None", AlgorithmConfig],
                      tuple[torch.Tensor, "torch.Tensor | None"]]
@@ -94,6 +101,20 @@ def compute_advantages(
 def micro_slices(n_rows: int, micro_batch_size: int) -> list[slice]:
     """Consecutive row slices of at most ``micro_batch_size`` rows covering ``n_rows`` (deterministic order)."""
     return [slice(s, min(s + micro_batch_size, n_rows)) for s in range(0, n_rows, micro_batch_size)]
+
+
+def rank_micro_rows(n_rows: int, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> list[torch.Tensor]:
+    """One rank's micro-batches of a mini-batch of ``n_rows`` rows, as row indices; as many on every rank.
+
+    The rows go in consecutive blocks of ``micro_batch_size × world_size``, each cut
+    into ``world_size`` near-equal contiguous parts; rank r takes part r of every
+    block. With world_size 1 these are exactly :func:`micro_slices`. A part can be
+    empty (a last block shorter than world_size): the caller still makes a backward
+    for it, because ZeRO-2 reduces gradients inside every backward and the ranks'
+    collectives must pair up.
+    """
+    return [torch.tensor_split(torch.arange(s.start, s.stop), world_size)[rank]
+            for s in micro_slices(n_rows, micro_batch_size * world_size)]
 
 
 def _take(x: torch.Tensor | None, rows: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -228,25 +249,29 @@ def _mini_batch_step(
     norm = losses.aggregation_normaliser(mb.loss_mask, algo.loss_agg)
     value_norm = losses.aggregation_normaliser(mb.loss_mask, "token-mean")
     totals: dict[str, float] = defaultdict(float)
-    for s in micro_slices(mb.batch_size, cfg.trainer.micro_batch_size):
-        micro = _on(mb.select(torch.arange(s.start, s.stop)), device)
+    rank, world_size = state.actor_engine.data_parallel  # (0, 1) unless data parallel: then this rank's rows only
+    for idx in rank_micro_rows(mb.batch_size, cfg.trainer.micro_batch_size, rank, world_size):
+        weight, stats = 1.0, meter
+        if idx.numel() == 0:  # no row left for this rank: a zero-weighted stand-in keeps its backwards paired
+            idx, weight, stats = torch.zeros(1, dtype=torch.long), 0.0, _Meter()
+        micro = _on(mb.select(idx), device)
         w, m, n_tok = micro.input_ids.shape[1], micro.loss_mask, float(micro.loss_mask.sum())
-        loss, pg_loss, hidden = _actor_loss(models, micro, mb_adv[s, :w], None if mb_ref is None else mb_ref[s, :w],
-                                            cfg, norm, meter)
-        totals["actor/pg_loss"] += float(pg_loss)
+        loss, pg_loss, hidden = _actor_loss(models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w],
+                                            cfg, norm, stats)
+        totals["actor/pg_loss"] += float(pg_loss) * weight
         if mb_ret is not None and models.value_head is not None:  # value head: one backward for both losses
             v_loss, v_stats = _value_loss(critic_values(models, micro.input_ids, micro.attention_mask, hidden),
-                                          mb_values[s, :w], mb_ret[s, :w], m, algo, value_norm)
+                                          mb_values[idx, :w], mb_ret[idx, :w], m, algo, value_norm)
             loss = loss + algo.value_coef * v_loss
-            totals["critic/value_loss"] += float(v_loss.detach())
-            meter.add("critic/", v_stats, n_tok)
-        state.actor_engine.backward(loss)
+            totals["critic/value_loss"] += float(v_loss.detach()) * weight
+            stats.add("critic/", v_stats, n_tok)
+        state.actor_engine.backward(loss * weight)  # × 1.0 is exact: W = 1 is unchanged
         if mb_ret is not None and models.critic is not None and state.critic_engine is not None:
             v_loss, v_stats = _value_loss(models.critic(micro.input_ids, micro.attention_mask),
-                                          mb_values[s, :w], mb_ret[s, :w], m, algo, value_norm)
-            state.critic_engine.backward(v_loss)
-            totals["critic/value_loss"] += float(v_loss.detach())
-            meter.add("critic/", v_stats, n_tok)
+                                          mb_values[idx, :w], mb_ret[idx, :w], m, algo, value_norm)
+            state.critic_engine.backward(v_loss * weight)
+            totals["critic/value_loss"] += float(v_loss.detach()) * weight
+            stats.add("critic/", v_stats, n_tok)
 
     meter.steps["actor/grad_norm"].append(state.actor_engine.step())
     if mb_ret is not None and state.critic_engine is not None:

@@ -1,0 +1,259 @@
+"""The DeepSpeed training engine (``trainer.backend: deepspeed``): ZeRO stages 0-2, data parallel.
+
+    cfg = build_config(..., trainer.backend=deepspeed, trainer.zero_stage=2)
+    state = init_state(cfg)                    # ENGINES["deepspeed"] -> deepspeed_engines(models, cfg)
+    stats = update(state, batch, cfg)          # same call as with the torch backend
+
+Several processes (data parallel, one replica of the models each)::
+
+    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 my_script.py
+
+Each process builds the same state and calls ``update`` on the same full batch;
+``update`` gives every rank its share of each mini-batch's rows (see
+:func:`ragen_core.trainer.update.rank_micro_rows`) and DeepSpeed averages the
+gradients. On a machine without CUDA, DeepSpeed runs on its CPU accelerator
+(``DS_ACCELERATOR=cpu``, set here when the models are on the CPU) over gloo.
+
+How this engine keeps the torch backend's math (``TorchEngine``):
+
+- The optimizer is the same ``torch.optim.AdamW`` over the same parameter
+  groups, handed to ``deepspeed.initialize`` as a client optimizer. ZeRO 1/2
+  runs it on flat fp32 partitions; AdamW is elementwise, so the update is the
+  same. fp32 only: no fp16/bf16 section in the DeepSpeed config.
+- Gradient accumulation belongs to our update loop, which already divides every
+  micro-batch loss by the whole mini-batch's count. So the DeepSpeed config has
+  ``gradient_accumulation_steps: 1`` (``backward`` divides the loss by it, and
+  we also pass ``scale_wrt_gas=False``) and ``managed_gradient_accumulation:
+  false``: ``backward`` only accumulates, ``step()`` is the accumulation
+  boundary, whatever the number of micro-batches.
+- DeepSpeed *averages* gradients over the W ranks, but each rank's loss is
+  already its share of the whole mini-batch's loss (sum over ranks = the
+  1-process loss), so ``backward`` multiplies the loss by W.
+- Clipping to ``grad_clip`` and the returned pre-clip global norm: at stage 0
+  a step pre-hook on the AdamW clips the (already all-reduced) gradients with
+  ``clip_grad_norm_`` exactly like TorchEngine; at stages 1/2 the ZeRO optimizer
+  clips (``gradient_clipping``) and reports the norm of the whole gradient.
+  A non-finite norm skips the step in both cases (``skipped`` counts them).
+
+Not supported: ZeRO-3 (a :class:`ConfigError`). It partitions the parameters
+and gathers them only inside forwards run through DeepSpeed's wrapped module,
+while ragen runs the modules directly (rollout generation, reference and critic
+passes, checkpoints read the parameters), so it cannot work without routing all
+of those through DeepSpeed.
+
+State dicts have TorchEngine's layout (torch AdamW ``state_dict()`` of the
+unflattened parameters, in parameter-group order) at every stage, so
+checkpoints move between backends and world sizes. Under ZeRO 1/2 with W > 1,
+``state_dict`` gathers the partitions: every rank must call it.
+
+Run the tests with ``python -m pytest tests/unit/trainer/test_deepspeed_engine.py -q``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ragen_core.config import ConfigError, ExperimentConfig
+from ragen_core.trainer.models import PolicyModels
+
+__all__ = ["DeepSpeedEngine", "deepspeed_engines", "init_distributed"]
+
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def init_distributed(device: torch.device) -> None:
+    """Make DeepSpeed usable in this process for modules on ``device``.
+
+    Picks DeepSpeed's CPU accelerator for CPU modules (it must be chosen before
+    deepspeed first looks for one), then starts the torch process group if no one
+    has: from torchrun's environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``…) when
+    present, else a one-process group on an in-memory store (no port opened) and
+    ``LOCAL_RANK=0``, which DeepSpeed requires.
+    Raises ConfigError when deepspeed is missing or already runs on another device type.
+    """
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as e:
+        raise ConfigError(f"trainer.backend: deepspeed is not importable ({e}); install the [gpu] extra "
+                          "or use trainer.backend=torch") from None
+    accelerator = get_accelerator().device_name()
+    if accelerator != device.type:
+        raise ConfigError(f"trainer.backend: deepspeed runs on {accelerator!r} in this process but the models are on "
+                          f"{device.type!r}; set model.device to match (or DS_ACCELERATOR before starting)")
+    if not torch.distributed.is_initialized():
+        backend = "gloo" if device.type == "cpu" else "nccl"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or another launcher) set the group up
+            torch.distributed.init_process_group(backend, init_method="env://")
+        else:
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+            os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it (launchers set it)
+    deepspeed.init_distributed(verbose=False)  # wraps the existing group
+
+
+class DeepSpeedEngine:
+    """Backward and optimizer step of one set of modules through ``deepspeed.initialize``.
+
+    modules: the trained modules by name (wrapped in one container so that
+    DeepSpeed sees every parameter; forwards still call the modules themselves);
+    param_groups: AdamW groups over their trainable parameters (lr per group).
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], param_groups: list[dict[str, Any]],
+                 betas: tuple[float, float], weight_decay: float, grad_clip: float, zero_stage: int,
+                 micro_batch_size: int) -> None:
+        import deepspeed
+
+        if zero_stage not in (0, 1, 2):
+            raise ConfigError(f"trainer.zero_stage: {zero_stage} is not supported by this engine (use 0, 1 or 2)")
+        self.params = [p for g in param_groups for p in g["params"]]
+        self._group_sizes = [len(g["params"]) for g in param_groups]
+        self.optimizer = torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay)
+        self.zero_stage = zero_stage
+        self.grad_clip = grad_clip
+        self.skipped = 0
+        self._norm = float("nan")
+        if zero_stage == 0:  # DeepSpeed leaves fp32 clipping at stage 0 to us: clip right before AdamW steps
+            self.optimizer.register_step_pre_hook(self._clip_or_drop)
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": 1,  # our update accumulates and normalises; see the module docstring
+            "managed_gradient_accumulation": False,  # step() is the boundary, whatever the micro-batch count
+            "gradient_clipping": grad_clip if zero_stage > 0 else 0.0,
+            "zero_optimization": {"stage": zero_stage},
+            "steps_per_print": 2**62,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.zero_optimizer, _, _ = deepspeed.initialize(
+            model=nn.ModuleDict(modules), optimizer=self.optimizer, config=config)
+        self.world_size = int(torch.distributed.get_world_size())
+        self.rank = int(torch.distributed.get_rank())
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(this process's rank, number of data-parallel processes)."""
+        return self.rank, self.world_size
+
+    def _clip_or_drop(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Stage 0: clip like TorchEngine; a non-finite norm drops the gradients so AdamW leaves everything alone."""
+        self._norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        if not math.isfinite(self._norm):
+            for p in self.params:  # AdamW skips parameters without a gradient: no update, no state change
+                p.grad = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # × W: DeepSpeed averages the ranks' gradients, but each rank's loss is already its share of the sum.
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.engine.step()
+        norm = self._norm if self.zero_stage == 0 else float(self.engine.get_global_grad_norm())
+        if not math.isfinite(norm):
+            self.skipped += 1
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"optimizer": torch AdamW state_dict of the unflattened parameters, "skipped": n}`` (TorchEngine's layout)."""
+        if self.zero_stage == 0:
+            return {"optimizer": self.optimizer.state_dict(), "skipped": self.skipped}
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_get_full_optimizer_state
+
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        groups = []
+        index = 0
+        zero = self.zero_optimizer
+        for g, (group, flat_group) in enumerate(zip(self._param_groups(), self.optimizer.param_groups, strict=True)):
+            flat_state = self.optimizer.state.get(flat_group["params"][0], {})
+            if flat_state:  # DeepSpeed links the fragments once, after the first group's first step: redo it
+                lazy_init_hp_params_optimizer_state(zero.bit16_groups[g], zero.single_partition_of_fp32_groups[g],
+                                                    self.optimizer.state)
+            ids = list(range(index, index + len(group)))
+            index += len(group)
+            for i, p in zip(ids, group, strict=True):
+                if flat_state:  # collective under W > 1: every rank contributes its partition
+                    state[i] = {"step": flat_state["step"].clone(),
+                                **{k: safe_get_full_optimizer_state(p, k).detach().cpu() for k in _ADAM_KEYS}}
+            groups.append({**{k: v for k, v in flat_group.items() if k != "params"}, "params": ids})
+        return {"optimizer": {"state": state, "param_groups": groups}, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (from either backend). Also re-reads the modules' weights into ZeRO's
+        fp32 master copy: load the weights first (``load_checkpoint`` does), then this."""
+        self.skipped = int(state.get("skipped", 0))
+        if self.zero_stage == 0:
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_set_full_optimizer_state
+
+        saved = state["optimizer"]
+        groups = self._param_groups()
+        if len(saved["param_groups"]) != len(groups):
+            raise ValueError(f"optimizer state has {len(saved['param_groups'])} parameter groups, "
+                             f"this engine {len(groups)}")
+        zero = self.zero_optimizer
+        for g, (group, flat_group, saved_group) in enumerate(
+                zip(groups, self.optimizer.param_groups, saved["param_groups"], strict=True)):
+            flat_group.update({k: v for k, v in saved_group.items() if k != "params"})
+            per_param = [saved["state"].get(i) for i in saved_group["params"]]
+            if all(s is None for s in per_param):
+                continue
+            flat = flat_group["params"][0]
+            step = next(s["step"] for s in per_param if s is not None)
+            self.optimizer.state[flat] = {"step": step.clone().to(torch.float32),
+                                          **{k: torch.zeros_like(flat) for k in _ADAM_KEYS}}
+            # Point every parameter's fragment at the new state tensors, then fill them parameter by parameter.
+            lazy_init_hp_params_optimizer_state(zero.bit16_groups[g], zero.single_partition_of_fp32_groups[g],
+                                                self.optimizer.state)
+            for p, s in zip(group, per_param, strict=True):
+                if s is not None:
+                    for k in _ADAM_KEYS:
+                        safe_set_full_optimizer_state(p, s[k].to(flat.device, flat.dtype), k)
+        zero.refresh_fp32_params()  # ZeRO steps its own fp32 copy of the weights: take the loaded ones
+
+    def _param_groups(self) -> list[list[nn.Parameter]]:
+        """Our parameters per AdamW group, in the order they were given (ZeRO replaced the optimizer's lists)."""
+        out, start = [], 0
+        for n in self._group_sizes:
+            out.append(self.params[start:start + n])
+            start += n
+        return out
+
+
+def deepspeed_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[DeepSpeedEngine, DeepSpeedEngine | None]:
+    """(actor engine, critic engine or None) for ``trainer.backend: deepspeed``; the value head shares the actor's.
+
+    Raises ConfigError for ZeRO-3 (see the module docstring) or when deepspeed cannot be used.
+    """
+    from ragen_core.trainer.engine import learning_rates, trainable_parameters
+
+    t = cfg.trainer
+    if t.zero_stage == 3:
+        raise ConfigError("trainer.zero_stage: ZeRO-3 is not supported: it partitions the weights and gathers them "
+                          "only in forwards run through DeepSpeed's module, but rollouts, reference/critic passes "
+                          "and checkpoints use the modules directly; use stage 0, 1 or 2")
+    init_distributed(models.device)
+    actor_lr, critic_lr = learning_rates(cfg)
+    modules: dict[str, nn.Module] = {"actor": models.actor}
+    groups = [{"params": trainable_parameters(models.actor), "lr": actor_lr}]
+    if models.value_head is not None:  # one backward trains both, so one engine steps both (as with torch)
+        modules["value_head"] = models.value_head
+        groups.append({"params": trainable_parameters(models.value_head), "lr": critic_lr})
+    common = {"betas": t.betas, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
+              "zero_stage": t.zero_stage, "micro_batch_size": t.micro_batch_size}
+    actor = DeepSpeedEngine(modules, groups, **common)
+    critic = None
+    if models.critic is not None:
+        critic = DeepSpeedEngine({"critic": models.critic},
+                                 [{"params": trainable_parameters(models.critic), "lr": critic_lr}], **common)
+    return actor, critic
