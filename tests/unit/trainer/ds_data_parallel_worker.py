@@ -1,0 +1,53 @@
+"""One rank of the data-parallel DeepSpeed check: the tiny-model update on a fixed batch, world size from torchrun.
+
+Started by ``test_deepspeed_engine.py`` (not a test itself)::
+
+    python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 \\
+        tests/unit/trainer/ds_data_parallel_worker.py OUT.pt STAGE [overrides ...]
+
+Every rank builds the same state and calls ``update`` on the same full batch
+(:func:`batch` below); rank 0 saves the trained weights and the update's grad
+norms to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import make_batch, make_cfg
+
+from ragen_core.trainer import init_state, update
+from ragen_core.types import TokenBatch
+
+DS_OVERRIDES = ("trainer.online_k=2", "trainer.micro_batch_size=2")
+"""Two optimizer steps of 5 rows each: with 2 ranks the last block of each mini-batch leaves rank 1 without a row."""
+
+
+def batch() -> TokenBatch:
+    return make_batch(n_groups=2, group_size=5)
+
+
+def trained(overrides: list[str]) -> dict[str, object]:
+    """Weights of actor and critic after one update, and its grad norms."""
+    cfg = make_cfg("starpo", *DS_OVERRIDES, *overrides)
+    state = init_state(cfg)
+    stats = update(state, batch(), cfg)
+    return {"actor": {k: v.detach().clone() for k, v in state.models.actor.state_dict().items()},
+            "critic": {k: v.detach().clone() for k, v in state.models.critic.state_dict().items()},
+            "grad_norms": [stats.metrics["actor/grad_norm"], stats.metrics["critic/grad_norm"]]}
+
+
+def main(out: str, stage: str, *overrides: str) -> None:
+    result = trained(["trainer.backend=deepspeed", f"trainer.zero_stage={stage}", *overrides])
+    if torch.distributed.get_rank() == 0:
+        torch.save(result, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,184 @@
+"""The DeepSpeed backend on the tiny model, on CPU (gloo): same update as the torch backend at ZeRO 0-2,
+a 2-process data-parallel update equal to the 1-process one, checkpoints, and clear errors.
+
+Run with ``python -m pytest tests/unit/trainer/test_deepspeed_engine.py -q``. The 2-process check runs
+stages 0 (gradients reduced once, in step) and 2 (reduced inside every backward) by default, stage 1
+(the same path as 0) only with the slow tests; each takes about 10 s on 2 cores. The first DeepSpeed use
+on a machine compiles its shared-memory comm op (about 35 s here, then cached in ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_batch, make_cfg
+
+pytest.importorskip("deepspeed")
+
+from ds_data_parallel_worker import trained
+
+from ragen_core.config import ConfigError
+from ragen_core.trainer import init_state, load_checkpoint, save_checkpoint, update
+from ragen_core.trainer.state import TrainState
+from ragen_core.trainer.update import micro_slices, rank_micro_rows
+
+WORKER = Path(__file__).with_name("ds_data_parallel_worker.py")
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def _ds(stage: int) -> list[str]:
+    return ["trainer.backend=deepspeed", f"trainer.zero_stage={stage}"]
+
+
+def _weights(state: TrainState) -> dict[str, torch.Tensor]:
+    out = {}
+    for prefix, m in (("actor", state.models.actor), ("critic", state.models.critic),
+                      ("head", state.models.value_head)):
+        if m is not None:
+            out.update({f"{prefix}.{k}": v.detach().clone() for k, v in m.state_dict().items()})
+    return out
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = ATOL,
+                  rtol: float = RTOL) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _assert_same_optimizer_state(got: dict, want: dict) -> None:
+    """Same torch AdamW state_dict layout (param groups, per-parameter ids and keys), values within tolerance."""
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for i, st in want["state"].items():
+        assert got["state"][i].keys() == st.keys()
+        for k, v in st.items():
+            torch.testing.assert_close(got["state"][i][k], v, atol=1e-7, rtol=RTOL)
+
+
+def test_rank_micro_rows_split_each_block_between_ranks() -> None:
+    # 5 rows, micro-batches of 2, 2 ranks: blocks of 2·2 = 4 rows -> [0..3], [4].
+    # Block [0..3] halves into [0, 1] | [2, 3]; block [4] into [4] | [] (rank 1 gets an empty part).
+    got = [[r.tolist() for r in rank_micro_rows(5, 2, rank, 2)] for rank in (0, 1)]
+    assert got == [[[0, 1], [4]], [[2, 3], []]]
+    # One rank: exactly micro_slices, so the torch backend's micro-batches are unchanged.
+    for n, size in ((8, 2), (7, 3), (1, 4)):
+        assert [r.tolist() for r in rank_micro_rows(n, size)] == [list(range(s.start, s.stop))
+                                                                  for s in micro_slices(n, size)]
+
+
+@pytest.mark.parametrize(
+    ("stage", "overrides"),
+    [(0, []), (1, []), (2, []), (2, ["algorithm.critic=head"])],
+    ids=["zero0", "zero1", "zero2", "zero2-value-head"],
+)
+def test_update_matches_torch_backend(stage: int, overrides: list[str]) -> None:
+    # Two optimizer steps (online_k=2) of 4 micro-batches each; starpo has a separate critic and a KL reference.
+    common = ["trainer.online_k=2", *overrides]
+    batch = make_batch(n_groups=4)
+    states, norms = {}, {}
+    for name, backend in (("torch", []), ("deepspeed", _ds(stage))):
+        cfg = make_cfg("starpo", *common, *backend)
+        states[name] = init_state(cfg)
+        stats = update(states[name], batch, cfg)
+        norms[name] = {k: v for k, v in stats.metrics.items() if k.endswith(("grad_norm", "grad_norm_max"))}
+    ref, got = states["torch"], states["deepspeed"]
+    assert type(got.actor_engine).__name__ == "DeepSpeedEngine"
+    assert norms["torch"].keys() == norms["deepspeed"].keys() and len(norms["torch"]) >= 2
+    for k, v in norms["torch"].items():
+        assert norms["deepspeed"][k] == pytest.approx(v, rel=RTOL), k
+    moved = max(float((a - b).abs().max()) for a, b in zip(_weights(ref).values(), _weights(init_state(
+        make_cfg("starpo", *common))).values(), strict=True))
+    assert moved > 1e-4  # the comparison below is not between two untrained models
+    _assert_close(_weights(got), _weights(ref))
+    _assert_same_optimizer_state(got.actor_engine.state_dict()["optimizer"],
+                                 ref.actor_engine.state_dict()["optimizer"])
+    if ref.critic_engine is not None:
+        _assert_same_optimizer_state(got.critic_engine.state_dict()["optimizer"],
+                                     ref.critic_engine.state_dict()["optimizer"])
+    assert got.actor_engine.lr == ref.actor_engine.lr and got.actor_engine.skipped == 0
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_checkpoint_round_trip(tmp_path: Path, stage: int) -> None:
+    cfg = make_cfg("starpo", *_ds(stage))
+    first, second = make_batch(seed=1), make_batch(seed=2)
+    state = init_state(cfg)
+    update(state, first, cfg)
+    state.iteration = 1
+    save_checkpoint(state, tmp_path / "ckpt")
+    update(state, second, cfg)
+    want = _weights(state)
+    want_opt = state.actor_engine.state_dict()["optimizer"]
+
+    resumed = load_checkpoint(tmp_path / "ckpt", cfg)
+    assert resumed.iteration == 1
+    # Right after loading, ZeRO's fp32 master copy must hold the loaded weights, not the fresh ones:
+    # the next update continues from the checkpoint exactly as the uninterrupted run did.
+    update(resumed, second, cfg)
+    _assert_close(_weights(resumed), want, atol=1e-7, rtol=1e-6)
+    _assert_same_optimizer_state(resumed.actor_engine.state_dict()["optimizer"], want_opt)
+
+    # The optimizer state has the torch backend's layout: the same checkpoint resumes under trainer.backend=torch.
+    torch_cfg = make_cfg("starpo")
+    as_torch = load_checkpoint(tmp_path / "ckpt", torch_cfg)
+    update(as_torch, second, torch_cfg)
+    _assert_close(_weights(as_torch), want)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_non_finite_gradient_skips_the_step(stage: int) -> None:
+    state = init_state(make_cfg("grpo", *_ds(stage)))
+    engine, before = state.actor_engine, _weights(state)
+    engine.backward(sum(p.sum() for p in state.models.actor.parameters()) * float("nan"))
+    norm = engine.step()
+    assert math.isnan(norm) or norm == math.inf  # NaN (stage 0, as TorchEngine) or inf (ZeRO's overflow value)
+    assert engine.skipped == 1
+    _assert_close(_weights(state), before, atol=0.0, rtol=0.0)
+    assert not engine.state_dict()["optimizer"]["state"]  # AdamW never stepped
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2])
+def test_two_process_update_equals_one_process(tmp_path: Path, stage: int) -> None:
+    # torchrun starts 2 ranks; each trains its half of every mini-batch (10 rows, online_k=2, micro-batches
+    # of 2: rank 1 also runs a zero-weighted stand-in for the last block) and rank 0 saves the result.
+    out = tmp_path / "rank0.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(WORKER), str(out), str(stage)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    want = trained(["trainer.backend=torch"])  # the same update in this one process, the plain torch engine
+    for part in ("actor", "critic"):
+        _assert_close(got[part], want[part])
+    assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=RTOL)  # ×W undone would halve them
+
+
+def test_zero3_is_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match="ZeRO-3 is not supported"):
+        init_state(make_cfg("starpo", *_ds(3)))
+
+
+def test_missing_deepspeed_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` raise ImportError
+    with pytest.raises(ConfigError, match="deepspeed is not importable"):
+        init_state(make_cfg("grpo", *_ds(0)))
+
+
+def test_trainer_package_imports_without_deepspeed() -> None:
+    code = "import sys, ragen_core.trainer; assert 'deepspeed' not in sys.modules, 'deepspeed imported eagerly'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
