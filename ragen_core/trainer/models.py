@@ -154,12 +154,22 @@ def critic_values(
 
 @torch.no_grad()
 def reference_logprobs(
-    models: PolicyModels, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, chunk: int
+    models: PolicyModels,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    start: int = 1,
 ) -> torch.Tensor:
-    """Log-probs [B, T] of the tokens under the reference policy (frozen copy, or actor without adapters)."""
+    """Log-probs [B, T] of the tokens under the reference policy (frozen copy, or actor without adapters).
+
+    Positions before ``start`` are not scored and hold 0 (see ``forward.chunked_logprobs``).
+    """
     if not models.use_reference:
         raise ValueError("no reference policy: algorithm.kl_coef is 0")
     if models.ref is not None:
-        return policy_forward(models.ref, input_ids, attention_mask, temperature, chunk, entropy_grad=False).logprobs
+        return policy_forward(models.ref, input_ids, attention_mask, temperature, chunk, entropy_grad=False,
+                              start=start).logprobs
     with models.actor.disable_adapter():  # LoRA: the base model is the reference
-        return policy_forward(models.actor, input_ids, attention_mask, temperature, chunk, entropy_grad=False).logprobs
+        return policy_forward(models.actor, input_ids, attention_mask, temperature, chunk, entropy_grad=False,
+                              start=start).logprobs

@@ -44,7 +44,7 @@ from ragen_core.algos import advantages as adv_fns
 from ragen_core.algos import losses
 from ragen_core.algos.masked import masked_mean, masked_var, masked_whiten
 from ragen_core.config import AlgorithmConfig, ExperimentConfig
-from ragen_core.trainer.forward import policy_forward
+from ragen_core.trainer.forward import first_scored, policy_forward
 from ragen_core.trainer.models import PolicyModels, critic_values, reference_logprobs
 from ragen_core.trainer.state import TrainState
 from ragen_core.types import TokenBatch, UpdateStats
@@ -149,7 +149,7 @@ def _rollout_side(
             values.append(_pad_to(critic_values(models, mb.input_ids, mb.attention_mask).float().cpu(), width))
         if models.use_reference:
             lp = reference_logprobs(models, mb.input_ids, mb.attention_mask, cfg.rollout.temperature,
-                                    cfg.trainer.logprob_chunk)
+                                    cfg.trainer.logprob_chunk, start=first_scored(mb.loss_mask))
             ref.append(_pad_to(lp.cpu(), width))
     return (torch.cat(values) if values else None), (torch.cat(ref) if ref else None)
 
@@ -295,7 +295,7 @@ def _actor_loss(
     """
     algo, m = cfg.algorithm, micro.loss_mask
     out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
-                         cfg.trainer.logprob_chunk, entropy_grad=algo.entropy_coef > 0)
+                         cfg.trainer.logprob_chunk, entropy_grad=algo.entropy_coef > 0, start=first_scored(m))
     pg_loss, pg_stats = losses.policy_loss(
         out.logprobs, micro.old_logprobs, advantages, m, clip_low=algo.clip_low, clip_high=algo.clip_high,
         dual_clip=algo.dual_clip, agg=algo.loss_agg, normaliser=normaliser)

@@ -12,8 +12,10 @@ from ragen_core.models import tiny_random
 from ragen_core.trainer.forward import (
     chunked_logprobs,
     decoder_and_head,
+    first_scored,
     hidden_states,
     policy_forward,
+    shared_prefix_groups,
     shift_values,
 )
 
@@ -116,3 +118,90 @@ def test_chunked_logprobs_uses_one_chunk_without_checkpoint_when_it_fits() -> No
     many = chunked_logprobs(hidden, ids, head, chunk=2)
     torch.testing.assert_close(one[0], many[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(one[1], many[1], atol=1e-6, rtol=0)
+
+
+def _grouped_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Six right-padded rows: three share a 20-token prompt, two are identical (22 tokens), one shares nothing."""
+    p1, p2 = torch.randint(0, 500, (20,), generator=g), torch.randint(0, 500, (18,), generator=g)
+    rows = [torch.cat([p1, torch.randint(0, 500, (k,), generator=g)]) for k in (3, 5, 1)]
+    rows += [torch.cat([p2, torch.randint(0, 500, (4,), generator=g)])] * 2 + [torch.randint(600, 700, (9,), generator=g)]
+    order = [3, 0, 5, 1, 4, 2]  # groups interleaved, as data-parallel slicing may leave them
+    rows = [rows[i] for i in order]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], attn[i, : len(r)] = r, True
+    return ids, attn
+
+
+def test_shared_prefix_groups_golden() -> None:
+    ids, attn = _grouped_batch(torch.Generator().manual_seed(0))
+    # Rows (after the shuffle): 0 and 4 are the identical 22-token rows: they share 21 tokens (each keeps
+    # one of its own). Rows 1, 3, 5 share p1 (20 tokens); row 5 has 21 tokens, so the cap is 20 anyway.
+    # Row 2 shares nothing (its tokens are drawn from 600-699): a group of one with prefix 0.
+    assert shared_prefix_groups(ids, attn) == [([0, 4], 21), ([1, 3, 5], 20), ([2], 0)]
+    # Below the minimum share nothing is grouped.
+    assert all(p == 0 for _, p in shared_prefix_groups(ids, attn, min_shared=22))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prefix_forward_equals_plain_forward_values_and_grads(lora: bool) -> None:
+    model, _ = tiny_random(0)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False))
+    model.train()
+    decoder, _ = decoder_and_head(model)
+    g = torch.Generator().manual_seed(0)
+    ids, attn = _grouped_batch(g)
+    weights = torch.randn(*ids.shape, decoder.config.hidden_size, generator=g) * attn[..., None]
+
+    def run(shared: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        if shared:
+            hidden = hidden_states(decoder, ids, attn)
+        else:
+            hidden = decoder(input_ids=ids, attention_mask=attn.long(), use_cache=False).last_hidden_state
+        (hidden * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return (hidden * attn[..., None]).detach(), grads
+
+    h_shared, g_shared = run(True)
+    h_plain, g_plain = run(False)
+    torch.testing.assert_close(h_shared, h_plain, atol=1e-5, rtol=1e-5)
+    assert g_shared.keys() == g_plain.keys() and g_plain
+    for name in g_plain:  # float rounding only: within 1e-5 of each gradient's own scale
+        scale = float(g_plain[name].abs().max())
+        assert float((g_shared[name] - g_plain[name]).abs().max()) <= 1e-5 * scale + 1e-7, name
+
+
+def test_shared_prefix_is_off_under_gradient_checkpointing() -> None:
+    # Gradient checkpointing switches the KV cache off, so the rows must run whole.
+    model, _ = tiny_random(0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    decoder, _ = decoder_and_head(model)
+    ids, attn = _grouped_batch(torch.Generator().manual_seed(0))
+    plain = decoder(input_ids=ids, attention_mask=attn.long(), use_cache=False).last_hidden_state
+    torch.testing.assert_close(hidden_states(decoder, ids, attn) * attn[..., None], plain * attn[..., None])
+
+
+def test_chunked_logprobs_start_skips_the_prompt() -> None:
+    model, _ = tiny_random(0)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(2))
+    decoder, head = decoder_and_head(model)
+    hidden = hidden_states(decoder, ids, torch.ones_like(ids, dtype=torch.bool))
+    full_lp, full_ent = chunked_logprobs(hidden, ids, head, chunk=2)
+    lp, ent = chunked_logprobs(hidden, ids, head, chunk=2, start=5)
+    assert torch.equal(lp[:, :5], torch.zeros(2, 5)) and torch.equal(ent[:, :5], torch.zeros(2, 5))
+    torch.testing.assert_close(lp[:, 5:], full_lp[:, 5:], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent[:, 5:], full_ent[:, 5:], atol=1e-6, rtol=0)
+
+
+def test_first_scored() -> None:
+    mask = torch.tensor([[False, False, False, True, True], [False, False, True, True, False]])
+    assert first_scored(mask) == 2  # the earliest trained position over the rows
+    assert first_scored(torch.zeros(2, 5, dtype=torch.bool)) == 1  # nothing trained: score everything
+    assert first_scored(torch.ones(1, 3, dtype=torch.bool)) == 1  # position 0 is never scored
