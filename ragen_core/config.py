@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -421,6 +422,9 @@ def build_config(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(f"{path + ': ' if path else ''}{e}") from None
 
 
+_EXPONENT_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
@@ -458,6 +462,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+            return float(value)  # PyYAML (YAML 1.1) reads 1e-4, without a dot, as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         return float(value)

@@ -172,3 +172,13 @@ def test_shipped_experiments_load() -> None:
     assert files, "experiments/ must ship YAML files"
     for f in files:
         load_experiment(f)
+
+
+def test_exponent_numbers_without_a_dot_are_numbers(tmp_path) -> None:
+    # PyYAML follows YAML 1.1, where 1e-4 (no dot) is a string; a learning rate written that way is meant
+    # as a number, on the command line and in a file alike. Other strings stay errors.
+    cfg = load_experiment(write(tmp_path, "trainer: {critic_lr: 3E-5}\n"), ["trainer.actor_lr=1e-4"])
+    assert cfg.trainer.actor_lr == 1e-4 and cfg.trainer.critic_lr == 3e-5
+    for bad in ("fast", "1e", "e-4", "1e-4x"):
+        with pytest.raises(ConfigError, match="trainer.actor_lr: expected a number"):
+            load_experiment(write(tmp_path, "name: x\n"), [f"trainer.actor_lr={bad}"])
