@@ -140,10 +140,21 @@ def replay_with_generate(model: Any, tokenizer: Any, rec: Recorder) -> float:
 
 
 def max_logprob_diff(a: Recorder, b: Recorder) -> tuple[float, int]:
-    """Largest |logprob difference| over tokens both runs sampled identically, and rows that diverged."""
+    """Largest |logprob difference| over tokens both runs sampled identically after the same prompt,
+    and rows whose replies diverged.
+
+    Float rounding differs between the two prefill paths, so now and then a sampled token flips
+    (a uniform draw right at a boundary); from there that episode's dialogue differs, and its later
+    turns are not comparable: a row counts only when its prompt (the whole dialogue so far) is the
+    same token for token in both runs.
+    """
     worst, diverged = 0.0, 0
-    for gens_a, gens_b in zip(a.generations, b.generations, strict=False):
-        for x, y in zip(gens_a, gens_b, strict=False):
+    for (prompts_a, _, _), (prompts_b, _, _), gens_a, gens_b in zip(
+        a.calls, b.calls, a.generations, b.generations, strict=False
+    ):
+        for pa, pb, x, y in zip(prompts_a, prompts_b, gens_a, gens_b, strict=False):
+            if pa != pb:
+                continue
             n = 0
             while n < min(len(x.token_ids), len(y.token_ids)) and x.token_ids[n] == y.token_ids[n]:
                 n += 1

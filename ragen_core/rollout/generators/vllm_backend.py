@@ -28,6 +28,7 @@ Run: ``.venv-vllm/bin/python -m pytest -m vllm tests/integration/test_vllm_backe
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -105,6 +106,13 @@ class VLLMGenerator:
         path = self._model_dir(model, tokenizer, model_path)
         if dtype is None:
             dtype = "float32" if on_cpu else (_vllm_dtype(module) if module is not None else "auto")
+        if on_cpu:
+            # vLLM's v1 runner rewinds a seeded row's generator when it drops the token sampled
+            # during a partial (chunked) prefill, and a CPU torch.Generator has no offset to rewind:
+            # "RuntimeError: CPU Generator does not use offset" killed the engine on a 32-row
+            # FrozenLake rollout. Whole-prompt prefills only, with a budget that fits the longest.
+            engine_kw.setdefault("enable_chunked_prefill", False)
+            engine_kw.setdefault("max_num_batched_tokens", max(32768, max_model_len or _context_length(path)))
         self.llm = vllm.LLM(
             model=str(path),
             tokenizer=str(path),
@@ -243,6 +251,15 @@ class VLLMGenerator:
             detokenize=False,
             skip_special_tokens=False,
         )
+
+
+def _context_length(path: Path) -> int:
+    """The model's own context length from its config.json (0 when it does not say)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(config.get("max_position_embeddings") or 0)
 
 
 def _to_generation(output: Any) -> Generation:
