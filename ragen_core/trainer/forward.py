@@ -6,7 +6,8 @@ autograd keeps several. So the backbone runs once to give hidden states
 [B, T, H], and the output layer is applied chunk by chunk over T
 (``trainer.logprob_chunk``). When there is more than one chunk and gradients
 are on, each chunk is recomputed in backward (activation checkpointing), so only
-one chunk's logits ever exist, in forward or backward.
+one chunk's logits ever exist, in forward or backward. Logits that fit in
+``ONE_PIECE_LOGITS_BYTES`` are made in one piece instead (no recompute).
 
 Alignment follows ``ragen_core.types``: ``logprobs[b, t]`` scores
 ``input_ids[b, t]`` from the hidden state at t − 1, and ``values[b, t]`` is the
@@ -31,6 +32,7 @@ from ragen_core.algos import losses
 
 __all__ = [
     "MIN_SHARED_PREFIX",
+    "ONE_PIECE_LOGITS_BYTES",
     "PolicyOutput",
     "chunked_logprobs",
     "decoder_and_head",
@@ -63,6 +65,9 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         raise TypeError(f"{type(base).__name__} has no output layer; the actor must be a causal LM")
     return base.get_decoder(), head
 
+
+ONE_PIECE_LOGITS_BYTES = 256 * 2**20
+"""Scored logits up to this size (4 rows × 340 positions of a 49k vocabulary) skip chunking."""
 
 MIN_SHARED_PREFIX = 16
 """Rows sharing at least this many leading tokens have that prefix run once (see :func:`hidden_states`)."""
@@ -147,9 +152,10 @@ def _chunk_logprobs_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of labels and entropy for one chunk. hidden: [B, C, H], labels: [B, C] -> ([B, C], [B, C])."""
     logits = head(hidden).float() * inv_temperature  # [B, C, V], the only logits tensor alive
+    if entropy_grad:
+        return losses.logprobs_and_entropy(logits, labels)  # one exp pass over the vocabulary for both
     logprobs = losses.logprobs_from_logits(logits, labels)  # [B, C]
-    entropy = losses.entropy_from_logits(logits if entropy_grad else logits.detach())  # [B, C]
-    return logprobs, entropy
+    return logprobs, losses.entropy_from_logits(logits.detach())  # [B, C], a diagnostic only
 
 
 def chunked_logprobs(
@@ -160,6 +166,7 @@ def chunked_logprobs(
     chunk: int = 128,
     entropy_grad: bool = True,
     start: int = 1,
+    one_piece_bytes: int = ONE_PIECE_LOGITS_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs and entropy, the output layer applied ``chunk`` positions at a time.
 
@@ -172,11 +179,17 @@ def chunked_logprobs(
     ``start`` (>= 1): positions before it are not scored and hold 0, so a caller that needs
     only the replies (the loss mask begins after the first prompt) skips the output layer
     on the prompt: a 49k-vocabulary layer costs about a third of SmolLM2's per-token compute.
+    ``one_piece_bytes``: when the fp32 logits of all scored positions fit in this many bytes
+    they are made in one piece and kept for backward (recomputing them costs ~10% of an
+    update); only larger ones are chunked and recomputed.
     """
     start = max(1, min(int(start), input_ids.shape[1]))
     h = hidden[:, start - 1 : -1]  # [B, T-start, H] states that predict tokens start..T-1
     labels = input_ids[:, start:]  # [B, T-start]
     n = h.shape[1]
+    vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
+    if h.shape[0] * n * vocab * 4 <= one_piece_bytes:
+        chunk = max(n, 1)  # small enough: one piece, nothing recomputed in backward
     starts = list(range(0, n, chunk))
     recompute = torch.is_grad_enabled() and len(starts) > 1
     parts_lp, parts_ent = [], []
@@ -199,6 +212,7 @@ def policy_forward(
     chunk: int = 128,
     entropy_grad: bool = True,
     start: int = 1,
+    one_piece_bytes: int = ONE_PIECE_LOGITS_BYTES,
 ) -> PolicyOutput:
     """One actor forward: backbone once, then chunked log-probs and entropy. [B, T] inputs -> PolicyOutput.
 
@@ -206,7 +220,8 @@ def policy_forward(
     """
     decoder, head = decoder_and_head(model)
     hidden = hidden_states(decoder, input_ids, attention_mask)  # [B, T, H]
-    logprobs, entropy = chunked_logprobs(hidden, input_ids, head, temperature, chunk, entropy_grad, start)
+    logprobs, entropy = chunked_logprobs(hidden, input_ids, head, temperature, chunk, entropy_grad, start,
+                                         one_piece_bytes)
     return PolicyOutput(logprobs, entropy, hidden)
 
 

@@ -196,6 +196,26 @@ def test_logprobs_from_logits() -> None:
     torch.testing.assert_close(losses.logprobs_from_logits(logits, labels), expected)
 
 
+def test_logprobs_and_entropy_golden_and_equal_to_the_separate_functions() -> None:
+    # logits [0, ln 3] -> p = [0.25, 0.75]: log-prob of label 1 is ln 0.75, of label 0 ln 0.25,
+    # entropy −(0.25 ln 0.25 + 0.75 ln 0.75) ≈ 0.562335 at both positions.
+    logits = torch.tensor([[[0.0, math.log(3)], [0.0, math.log(3)]]], dtype=F64)
+    lp, ent = losses.logprobs_and_entropy(logits, torch.tensor([[1, 0]]))
+    torch.testing.assert_close(lp, torch.tensor([[math.log(0.75), math.log(0.25)]], dtype=F64))
+    torch.testing.assert_close(ent, torch.full((1, 2), 0.5623351446188083, dtype=F64))
+    big = torch.tensor([[[1000.0, 1000.0, -1000.0]]], dtype=F64)  # shifted by the max: no overflow
+    lp, ent = losses.logprobs_and_entropy(big, torch.tensor([[0]]))
+    assert lp.item() == pytest.approx(math.log(0.5)) and ent.item() == pytest.approx(math.log(2))
+    logits = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(1), dtype=F64, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(2))
+    lp, ent = losses.logprobs_and_entropy(logits, labels)
+    torch.testing.assert_close(lp, losses.logprobs_from_logits(logits, labels))
+    torch.testing.assert_close(ent, losses.entropy_from_logits(logits))
+    before = logits.detach().clone()
+    assert torch.autograd.gradcheck(lambda x: losses.logprobs_and_entropy(x, labels), (logits,))
+    assert torch.equal(logits.detach(), before)  # not mutated
+
+
 def test_no_argument_mutated() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 4, 5, generator=g)

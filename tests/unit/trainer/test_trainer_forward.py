@@ -10,6 +10,7 @@ import torch
 
 from ragen_core.models import tiny_random
 from ragen_core.trainer.forward import (
+    ONE_PIECE_LOGITS_BYTES,
     chunked_logprobs,
     decoder_and_head,
     first_scored,
@@ -30,9 +31,10 @@ def _full_reference(model, ids, attn, temperature):
     return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+@pytest.mark.parametrize("chunk,one_piece_bytes", [(1, 0), (3, 0), (7, 0), (64, 0), (3, ONE_PIECE_LOGITS_BYTES)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_equals_full_logits_values_and_grads(chunk: int, temperature: float) -> None:
+def test_chunked_equals_full_logits_values_and_grads(chunk: int, one_piece_bytes: int, temperature: float) -> None:
+    # one_piece_bytes=0 forces the chunks (and their recompute); the default takes these small logits whole.
     model, _ = tiny_random(0)
     model.train()
     g = torch.Generator().manual_seed(1)
@@ -46,7 +48,7 @@ def test_chunked_equals_full_logits_values_and_grads(chunk: int, temperature: fl
     grads_ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    out = policy_forward(model, ids, attn, temperature=temperature, chunk=chunk)
+    out = policy_forward(model, ids, attn, temperature=temperature, chunk=chunk, one_piece_bytes=one_piece_bytes)
     ((out.logprobs * weights).sum() + (out.entropy * weights).sum()).backward()
     torch.testing.assert_close(out.logprobs, lp_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.entropy, ent_ref, atol=1e-6, rtol=1e-6)
@@ -63,7 +65,7 @@ def test_alignment_position_zero_and_next_token() -> None:
     ids = torch.tensor([[5, 9, 13, 2]])
     attn = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad():
-        out = policy_forward(model, ids, attn, chunk=2)
+        out = policy_forward(model, ids, attn, chunk=2, one_piece_bytes=0)
         logits = model(input_ids=ids).logits
     assert out.logprobs[0, 0] == 0 and out.entropy[0, 0] == 0
     expected = torch.log_softmax(logits[0, 1], -1)[13]  # token at t=2 predicted from t=1
@@ -73,7 +75,7 @@ def test_alignment_position_zero_and_next_token() -> None:
 def test_entropy_grad_false_detaches_entropy_only() -> None:
     model, _ = tiny_random(0)
     ids = torch.randint(0, 300, (2, 6))
-    out = policy_forward(model, ids, torch.ones_like(ids, dtype=torch.bool), chunk=2, entropy_grad=False)
+    out = policy_forward(model, ids, torch.ones_like(ids, dtype=torch.bool), chunk=2, entropy_grad=False, one_piece_bytes=0)
     assert out.logprobs.requires_grad and not out.entropy.requires_grad
 
 
@@ -82,8 +84,8 @@ def test_no_grad_pass_has_no_graph_and_same_values() -> None:
     ids = torch.randint(0, 300, (2, 9))
     attn = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad():
-        a = policy_forward(model, ids, attn, chunk=3)
-    b = policy_forward(model, ids, attn, chunk=3)
+        a = policy_forward(model, ids, attn, chunk=3, one_piece_bytes=0)
+    b = policy_forward(model, ids, attn, chunk=3, one_piece_bytes=0)
     assert not a.logprobs.requires_grad
     assert torch.equal(a.logprobs, b.logprobs.detach())
 
@@ -115,7 +117,7 @@ def test_chunked_logprobs_uses_one_chunk_without_checkpoint_when_it_fits() -> No
     decoder, head = decoder_and_head(model)
     hidden = hidden_states(decoder, ids, torch.ones_like(ids, dtype=torch.bool))
     one = chunked_logprobs(hidden, ids, head, chunk=100)
-    many = chunked_logprobs(hidden, ids, head, chunk=2)
+    many = chunked_logprobs(hidden, ids, head, chunk=2, one_piece_bytes=0)
     torch.testing.assert_close(one[0], many[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(one[1], many[1], atol=1e-6, rtol=0)
 
@@ -193,8 +195,8 @@ def test_chunked_logprobs_start_skips_the_prompt() -> None:
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(2))
     decoder, head = decoder_and_head(model)
     hidden = hidden_states(decoder, ids, torch.ones_like(ids, dtype=torch.bool))
-    full_lp, full_ent = chunked_logprobs(hidden, ids, head, chunk=2)
-    lp, ent = chunked_logprobs(hidden, ids, head, chunk=2, start=5)
+    full_lp, full_ent = chunked_logprobs(hidden, ids, head, chunk=2, one_piece_bytes=0)
+    lp, ent = chunked_logprobs(hidden, ids, head, chunk=2, start=5, one_piece_bytes=0)
     assert torch.equal(lp[:, :5], torch.zeros(2, 5)) and torch.equal(ent[:, :5], torch.zeros(2, 5))
     torch.testing.assert_close(lp[:, 5:], full_lp[:, 5:], atol=1e-6, rtol=0)
     torch.testing.assert_close(ent[:, 5:], full_ent[:, 5:], atol=1e-6, rtol=0)
