@@ -105,6 +105,18 @@ def shared_prefix_groups(
     return groups
 
 
+def _can_share(decoder: nn.Module) -> bool:
+    """Prefix sharing needs the KV cache (off under gradient checkpointing in training) and plain
+    full attention in every layer (a sliding-window cache would crop the repeated prefix)."""
+    if decoder.training and getattr(decoder, "gradient_checkpointing", False):
+        return False
+    config = getattr(decoder, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(t == "full_attention" for t in layer_types)
+    return getattr(config, "sliding_window", None) is None
+
+
 def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden states of a decoder. input_ids, attention_mask: [B, T] -> [B, T, H].
 
@@ -116,11 +128,11 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
     states independent of what follows, so this is the same computation (equal within float
     rounding), and autograd sums the rows' gradients through the repeated prefix. For a
     single-turn Bandit group of 8 (187-token prompt, ~23-token replies) it runs 371 tokens
-    instead of 1,680. Not used under gradient checkpointing, which switches the cache off.
+    instead of 1,680. Not used under gradient checkpointing, which switches the cache off, nor
+    with sliding-window layers.
     """
     mask = attention_mask.long()
-    checkpointing = decoder.training and getattr(decoder, "gradient_checkpointing", False)
-    groups = [] if checkpointing else [g for g in shared_prefix_groups(input_ids, attention_mask) if g[1] > 0]
+    groups = [g for g in shared_prefix_groups(input_ids, attention_mask) if g[1] > 0] if _can_share(decoder) else []
     if not groups:
         return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     from transformers import DynamicCache

@@ -207,3 +207,18 @@ def test_first_scored() -> None:
     assert first_scored(mask) == 2  # the earliest trained position over the rows
     assert first_scored(torch.zeros(2, 5, dtype=torch.bool)) == 1  # nothing trained: score everything
     assert first_scored(torch.ones(1, 3, dtype=torch.bool)) == 1  # position 0 is never scored
+
+
+def test_shared_prefix_only_with_full_attention_everywhere() -> None:
+    # A sliding-window cache crops what it keeps, so a repeated prefix would not be the full one.
+    from ragen_core.trainer.forward import _can_share
+
+    model, _ = tiny_random(0)
+    decoder, _ = decoder_and_head(model)
+    assert _can_share(decoder)
+    n = decoder.config.num_hidden_layers
+    decoder.config.layer_types = ["full_attention"] * (n - 1) + ["sliding_attention"]
+    assert not _can_share(decoder)
+    decoder.config.layer_types = None
+    decoder.config.sliding_window = 64
+    assert not _can_share(decoder)
