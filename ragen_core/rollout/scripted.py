@@ -18,7 +18,13 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ragen_core.rollout.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, SamplingParams
+from ragen_core.rollout.generators.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    STAT_KEYS,
+    Generation,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,5 +77,4 @@ class ScriptedGenerator:
 
     @property
     def stats(self) -> dict[str, float]:
-        return {"prefill_tokens": 0.0, "prefill_seconds": 0.0, "decode_tokens": 0.0, "decode_seconds": 0.0,
-                "generated_tokens": 0.0}
+        return dict.fromkeys(STAT_KEYS, 0.0)

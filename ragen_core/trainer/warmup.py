@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ragen_core.rollout.generators.base import FINISH_STOP, Generation, SamplingParams
+from ragen_core.rollout.generators.base import FINISH_STOP, STAT_KEYS, Generation, SamplingParams
 from ragen_core.rollout.parse import ACTION_SEP
 
 if TYPE_CHECKING:
@@ -150,8 +150,7 @@ class RandomFormatGenerator:
 
     @property
     def stats(self) -> dict[str, float]:
-        return {"prefill_tokens": 0.0, "prefill_seconds": 0.0, "decode_tokens": 0.0, "decode_seconds": 0.0,
-                "generated_tokens": 0.0}
+        return dict.fromkeys(STAT_KEYS, 0.0)
 
     def _bind(self, session_ids: Sequence[Hashable]) -> None:
         from ragen_core.envs import make
