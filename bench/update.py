@@ -176,21 +176,15 @@ def bench_p2(args: argparse.Namespace) -> dict[str, Any]:
         raw_step(raw_model, raw_opt, batch, args.micro)
     ours_s, raw_s, ours_cpu, raw_cpu = [], [], [], []
 
-    def timed_ours() -> None:
-        with mem_ours.measure(), Clock() as clock:
-            update(state, batch, cfg)
-        ours_s.append(clock.wall)
-        ours_cpu.append(clock.cpu)
-
-    def timed_raw() -> None:
-        with mem_raw.measure(), Clock() as clock:
-            raw_step(raw_model, raw_opt, batch, args.micro)
-        raw_s.append(clock.wall)
-        raw_cpu.append(clock.cpu)
-
     for r in range(args.repeats):  # interleaved, the order alternating, so load changes hit both sides alike
-        for side in ((timed_ours, timed_raw) if r % 2 == 0 else (timed_raw, timed_ours)):
-            side()
+        for ours_side in ((True, False) if r % 2 == 0 else (False, True)):
+            with (mem_ours if ours_side else mem_raw).measure(), Clock() as clock:
+                if ours_side:
+                    update(state, batch, cfg)
+                else:
+                    raw_step(raw_model, raw_opt, batch, args.micro)
+            (ours_s if ours_side else raw_s).append(clock.wall)
+            (ours_cpu if ours_side else raw_cpu).append(clock.cpu)
     tokens = float(batch.attention_mask.sum())
     ours, raw = min(ours_s), min(raw_s)
     print(f"p2: ours {ours:.1f}s ({tokens / ours:.1f} tok/s)  raw {raw:.1f}s ({tokens / raw:.1f} tok/s)  "
