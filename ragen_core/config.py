@@ -183,6 +183,9 @@ class TrainerConfig:
     logprob_chunk: int = F(128, "sequence chunk for log-prob/entropy to bound logits memory", ge=1)
     backend: Literal["torch", "deepspeed"] = F("torch", "training backend")
     zero_stage: int = F(0, "DeepSpeed ZeRO stage", ge=0, le=3)
+    deepspeed: dict[str, Any] = F({}, "more DeepSpeed config, merged into ragen's (e.g. zero_optimization: "
+                                      "{stage3_param_persistence_threshold: 0}); batch, accumulation, clipping, "
+                                      "optimizer, precision and the stage come from ragen's own settings")
     seed: int = F(0, "seed for env seeds, sampling and initialisation", ge=0)
     checkpoint_every: int = F(10, "save a checkpoint every N iterations (and at the end); 0 disables", ge=0)
     threads: int | None = F(None, "torch CPU threads; None keeps torch's default", ge=1)
@@ -250,6 +253,12 @@ class ExperimentConfig:
             raise ConfigError("eval.seed_start: held-out seeds must stay below 1,000,000, where training seeds start")
         if self.trainer.backend == "deepspeed" and self.model.lora_rank and self.trainer.zero_stage == 3:
             raise ConfigError("trainer.zero_stage: ZeRO-3 with LoRA is not supported; use stage 0-2")
+        owned = sorted(set(self.trainer.deepspeed) & DEEPSPEED_OWNED_KEYS)
+        if "stage" in (self.trainer.deepspeed.get("zero_optimization") or {}):
+            owned.append("zero_optimization.stage")
+        if owned:
+            raise ConfigError(f"trainer.deepspeed: {', '.join(owned)} come from ragen's own settings (micro_batch_size, "
+                              "grad_clip, zero_stage; AdamW in fp32); remove them from trainer.deepspeed")
 
     @property
     def algo_tag(self) -> str:
@@ -274,6 +283,12 @@ class ExperimentConfig:
 
 
 # SPEC §4 presets: applied under the experiment file's own values.
+DEEPSPEED_OWNED_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "managed_gradient_accumulation", "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
+    "zero_allow_untested_optimizer"})
+"""DeepSpeed config keys the engine sets itself (``trainer.deepspeed`` may not): its update math depends on them."""
+
 PRESETS: dict[str, dict[str, Any]] = {
     "starpo": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_mode": "none", "keep_ratio": 1.0,
                              "kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2}},

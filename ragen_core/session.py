@@ -154,9 +154,10 @@ def open_session(
     history = _read_history(run_dir, state.iteration)
     tokenizer = load_tokenizer(model_spec)
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
-    generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
-                               **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
-                                  if cfg.rollout.backend == "hf" else {}))
+    with state.full_weights():  # a vLLM generator starts from a saved copy of the actor
+        generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
+                                   **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
+                                      if cfg.rollout.backend == "hf" else {}))
     (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
     return Session(cfg, run_dir, tokenizer, state, generator, logger, monitor, max_len, history, say, progress)
 
@@ -228,7 +229,8 @@ def update_policy(sess: Session, selection: Selection) -> UpdateStats:
     from ragen_core.trainer import update
 
     stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens)
-    sess.generator.update_weights(sess.state.models.actor)
+    with sess.state.full_weights():  # a vLLM generator copies them (ZeRO-3 holds slices outside this)
+        sess.generator.update_weights(sess.state.models.actor)
     sess.state.iteration += 1
     return stats
 
@@ -395,7 +397,8 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
     if log_model:
         final = sess.run_dir / "final-model"
         shutil.rmtree(final, ignore_errors=True)
-        sess.state.models.actor.save_pretrained(final)
+        with sess.state.full_weights():
+            sess.state.models.actor.save_pretrained(final)
         sess.tokenizer.save_pretrained(final)
         sess.logger.log_artifact(final, "model")
     vals = [r["val/success"] for r in sess.history if "val/success" in r]

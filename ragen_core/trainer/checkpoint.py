@@ -122,9 +122,12 @@ def save_checkpoint(state: TrainState, directory: str | os.PathLike[str]) -> Pat
     tmp.mkdir()
     try:
         m = state.models
-        save_file(_trainable_tensors(("actor", m.actor), ("value_head", m.value_head)), tmp / "actor.safetensors")
-        if m.critic is not None:
-            save_file(_trainable_tensors(("critic", m.critic)), tmp / "critic.safetensors")
+        with state.full_weights():
+            actor = _trainable_tensors(("actor", m.actor), ("value_head", m.value_head))
+            critic = _trainable_tensors(("critic", m.critic)) if m.critic is not None else None
+        save_file(actor, tmp / "actor.safetensors")
+        if critic is not None:
+            save_file(critic, tmp / "critic.safetensors")
         engines = {"actor": state.actor_engine.state_dict()}
         if state.critic_engine is not None:
             engines["critic"] = state.critic_engine.state_dict()
@@ -165,9 +168,10 @@ def load_checkpoint(
         raise ValueError(f"{path}: checkpoint does not match the config ({detail})")
     state = init_state(cfg, base)
     m = state.models
-    _load_trainable(load_file(path / "actor.safetensors"), ("actor", m.actor), ("value_head", m.value_head))
-    if m.critic is not None:
-        _load_trainable(load_file(path / "critic.safetensors"), ("critic", m.critic))
+    with state.full_weights(modify=True):
+        _load_trainable(load_file(path / "actor.safetensors"), ("actor", m.actor), ("value_head", m.value_head))
+        if m.critic is not None:
+            _load_trainable(load_file(path / "critic.safetensors"), ("critic", m.critic))
     engines = torch.load(path / "optimizer.pt", weights_only=True)
     state.actor_engine.load_state_dict(engines["actor"])
     if state.critic_engine is not None:

@@ -1,4 +1,4 @@
-"""The DeepSpeed training engine (``trainer.backend: deepspeed``): ZeRO stages 0-2, data parallel.
+"""The DeepSpeed training engine (``trainer.backend: deepspeed``): ZeRO stages 0-3, data parallel.
 
     cfg = build_config(..., trainer.backend=deepspeed, trainer.zero_stage=2)
     state = init_state(cfg)                    # ENGINES["deepspeed"] -> deepspeed_engines(models, cfg)
@@ -35,25 +35,33 @@ How this engine keeps the torch backend's math (``TorchEngine``):
   clips (``gradient_clipping``) and reports the norm of the whole gradient.
   A non-finite norm skips the step in both cases (``skipped`` counts them).
 
-Not supported: ZeRO-3 (a :class:`ConfigError`). It partitions the parameters
-and gathers them only inside forwards run through DeepSpeed's wrapped module,
-while ragen runs the modules directly (rollout generation, reference and critic
-passes, checkpoints read the parameters), so it cannot work without routing all
-of those through DeepSpeed.
+- Forwards go through DeepSpeed's engine: the modules sit in a container whose
+  ``forward(fn, *args)`` just calls ``fn``, and :meth:`DeepSpeedEngine.forward`
+  calls the DeepSpeed engine with it. ZeRO-3 counts micro-steps in that forward
+  and adds a backward's gradients to the step's only after the first (without
+  it, every backward would replace the previous ones), and it gathers each
+  layer's weights around that layer's use and frees them after.
+- ZeRO-3 partitions every weight, so code that reads or writes weights outside
+  a forward (checkpoints, ``save_pretrained``, a vLLM sync) does it inside
+  :meth:`DeepSpeedEngine.full_weights` (``deepspeed.zero.GatheredParameters``).
+  Rollouts and evaluation call the actor directly; ZeRO-3's per-layer hooks
+  gather its weights there too.
 
 State dicts have TorchEngine's layout (torch AdamW ``state_dict()`` of the
 unflattened parameters, in parameter-group order) at every stage, so
-checkpoints move between backends and world sizes. Under ZeRO 1/2 with W > 1,
-``state_dict`` gathers the partitions: every rank must call it.
+checkpoints move between backends and world sizes. Under ZeRO 1-3 with W > 1,
+``state_dict`` and ``full_weights`` gather the partitions: every rank must call them.
 
 Run the tests with ``python -m pytest tests/unit/trainer/test_deepspeed_engine.py -q``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -64,6 +72,15 @@ from ragen_core.trainer.models import PolicyModels
 __all__ = ["DeepSpeedEngine", "deepspeed_engines", "init_distributed"]
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+T = TypeVar("T")
+
+
+class _Modules(nn.ModuleDict):
+    """The trained modules by name, as one module for ``deepspeed.initialize``; its forward runs a given function,
+    so any forward of the modules (policy loss, values, a reference pass) can go through DeepSpeed's engine."""
+
+    def forward(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return fn(*args, **kwargs)
 
 
 def init_distributed(device: torch.device) -> None:
@@ -102,17 +119,18 @@ class DeepSpeedEngine:
     """Backward and optimizer step of one set of modules through ``deepspeed.initialize``.
 
     modules: the trained modules by name (wrapped in one container so that
-    DeepSpeed sees every parameter; forwards still call the modules themselves);
-    param_groups: AdamW groups over their trainable parameters (lr per group).
+    DeepSpeed sees every parameter; :meth:`forward` runs a function through it);
+    param_groups: AdamW groups over their trainable parameters (lr per group);
+    extra_config: more DeepSpeed config (``trainer.deepspeed``), under the keys set here.
     """
 
     def __init__(self, modules: dict[str, nn.Module], param_groups: list[dict[str, Any]],
                  betas: tuple[float, float], weight_decay: float, grad_clip: float, zero_stage: int,
-                 micro_batch_size: int) -> None:
+                 micro_batch_size: int, extra_config: dict[str, Any] | None = None) -> None:
         import deepspeed
 
-        if zero_stage not in (0, 1, 2):
-            raise ConfigError(f"trainer.zero_stage: {zero_stage} is not supported by this engine (use 0, 1 or 2)")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"trainer.zero_stage: {zero_stage} is not a ZeRO stage (use 0, 1, 2 or 3)")
         self.params = [p for g in param_groups for p in g["params"]]
         self._group_sizes = [len(g["params"]) for g in param_groups]
         self.optimizer = torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay)
@@ -122,17 +140,19 @@ class DeepSpeedEngine:
         self._norm = float("nan")
         if zero_stage == 0:  # DeepSpeed leaves fp32 clipping at stage 0 to us: clip right before AdamW steps
             self.optimizer.register_step_pre_hook(self._clip_or_drop)
+        extra = dict(extra_config or {})  # trainer.deepspeed; the config refuses the keys set below
         config = {
+            **extra,
             "train_micro_batch_size_per_gpu": micro_batch_size,
             "gradient_accumulation_steps": 1,  # our update accumulates and normalises; see the module docstring
             "managed_gradient_accumulation": False,  # step() is the boundary, whatever the micro-batch count
             "gradient_clipping": grad_clip if zero_stage > 0 else 0.0,
-            "zero_optimization": {"stage": zero_stage},
-            "steps_per_print": 2**62,
-            "wall_clock_breakdown": False,
+            "zero_optimization": {**extra.get("zero_optimization", {}), "stage": zero_stage},
+            "steps_per_print": extra.get("steps_per_print", 2**62),
+            "wall_clock_breakdown": extra.get("wall_clock_breakdown", False),
         }
         self.engine, self.zero_optimizer, _, _ = deepspeed.initialize(
-            model=nn.ModuleDict(modules), optimizer=self.optimizer, config=config)
+            model=_Modules(modules), optimizer=self.optimizer, config=config)
         self.world_size = int(torch.distributed.get_world_size())
         self.rank = int(torch.distributed.get_rank())
 
@@ -147,6 +167,20 @@ class DeepSpeedEngine:
         if not math.isfinite(self._norm):
             for p in self.params:  # AdamW skips parameters without a gradient: no update, no state change
                 p.grad = None
+
+    def forward(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` run inside DeepSpeed's forward (see the module docstring)."""
+        return self.engine(fn, *args, **kwargs)
+
+    def full_weights(self, modify: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Under ZeRO-3, every parameter gathered whole for the block (a collective: every rank enters it);
+        ``modify``: rank 0's writes are kept (partitioned again on exit, and ZeRO's fp32 copy refreshed by
+        :meth:`load_state_dict`). Other stages keep whole parameters: nothing to do."""
+        if self.zero_stage < 3:
+            return contextlib.nullcontext()
+        from deepspeed.runtime.zero import GatheredParameters
+
+        return GatheredParameters(list(self.engine.module.parameters()), modifier_rank=0 if modify else None)
 
     def backward(self, loss: torch.Tensor) -> None:
         # × W: DeepSpeed averages the ranks' gradients, but each rank's loss is already its share of the sum.
@@ -174,8 +208,8 @@ class DeepSpeedEngine:
         index = 0
         zero = self.zero_optimizer
         for g, (group, flat_group) in enumerate(zip(self._param_groups(), self.optimizer.param_groups, strict=True)):
-            flat_state = self.optimizer.state.get(flat_group["params"][0], {})
-            if flat_state:  # DeepSpeed links the fragments once, after the first group's first step: redo it
+            flat_state = self.optimizer.state.get(self._flats(g)[0], {})
+            if flat_state and self.zero_stage < 3:  # ZeRO 1/2 link the fragments once, after group 0's first step
                 lazy_init_hp_params_optimizer_state(zero.bit16_groups[g], zero.single_partition_of_fp32_groups[g],
                                                     self.optimizer.state)
             ids = list(range(index, index + len(group)))
@@ -208,18 +242,27 @@ class DeepSpeedEngine:
             per_param = [saved["state"].get(i) for i in saved_group["params"]]
             if all(s is None for s in per_param):
                 continue
-            flat = flat_group["params"][0]
             step = next(s["step"] for s in per_param if s is not None)
-            self.optimizer.state[flat] = {"step": step.clone().to(torch.float32),
-                                          **{k: torch.zeros_like(flat) for k in _ADAM_KEYS}}
-            # Point every parameter's fragment at the new state tensors, then fill them parameter by parameter.
-            lazy_init_hp_params_optimizer_state(zero.bit16_groups[g], zero.single_partition_of_fp32_groups[g],
-                                                self.optimizer.state)
+            for flat in self._flats(g):
+                self.optimizer.state[flat] = {"step": step.clone().to(torch.float32),
+                                              **{k: torch.zeros_like(flat) for k in _ADAM_KEYS}}
+            if self.zero_stage < 3:  # point every parameter's fragment at the new state tensors
+                lazy_init_hp_params_optimizer_state(zero.bit16_groups[g], zero.single_partition_of_fp32_groups[g],
+                                                    self.optimizer.state)
+            # then fill them parameter by parameter (ZeRO-3 finds each parameter's slice itself)
             for p, s in zip(group, per_param, strict=True):
                 if s is not None:
                     for k in _ADAM_KEYS:
                         safe_set_full_optimizer_state(p, s[k].to(flat.device, flat.dtype), k)
         zero.refresh_fp32_params()  # ZeRO steps its own fp32 copy of the weights: take the loaded ones
+
+    def _flats(self, group: int) -> list[torch.Tensor]:
+        """ZeRO's flat fp32 partitions that AdamW steps for one parameter group (ZeRO 1/2: one; ZeRO-3: one per
+        sub-group, listed in the optimizer's groups only during its step)."""
+        zero = self.zero_optimizer
+        if self.zero_stage < 3:
+            return [zero.single_partition_of_fp32_groups[group]]
+        return [flat for i, flat in enumerate(zero.fp32_partitioned_groups_flat) if zero.sub_group_to_group_id[i] == group]
 
     def _param_groups(self) -> list[list[nn.Parameter]]:
         """Our parameters per AdamW group, in the order they were given (ZeRO replaced the optimizer's lists)."""
@@ -233,15 +276,11 @@ class DeepSpeedEngine:
 def deepspeed_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[DeepSpeedEngine, DeepSpeedEngine | None]:
     """(actor engine, critic engine or None) for ``trainer.backend: deepspeed``; the value head shares the actor's.
 
-    Raises ConfigError for ZeRO-3 (see the module docstring) or when deepspeed cannot be used.
+    Raises ConfigError for a stage other than 0-3 or when deepspeed cannot be used.
     """
     from ragen_core.trainer.engine import learning_rates, trainable_parameters
 
     t = cfg.trainer
-    if t.zero_stage == 3:
-        raise ConfigError("trainer.zero_stage: ZeRO-3 is not supported: it partitions the weights and gathers them "
-                          "only in forwards run through DeepSpeed's module, but rollouts, reference/critic passes "
-                          "and checkpoints use the modules directly; use stage 0, 1 or 2")
     init_distributed(models.device)
     actor_lr, critic_lr = learning_rates(cfg)
     modules: dict[str, nn.Module] = {"actor": models.actor}
@@ -250,7 +289,7 @@ def deepspeed_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Deep
         modules["value_head"] = models.value_head
         groups.append({"params": trainable_parameters(models.value_head), "lr": critic_lr})
     common = {"betas": t.betas, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
-              "zero_stage": t.zero_stage, "micro_batch_size": t.micro_batch_size}
+              "zero_stage": t.zero_stage, "micro_batch_size": t.micro_batch_size, "extra_config": t.deepspeed}
     actor = DeepSpeedEngine(modules, groups, **common)
     critic = None
     if models.critic is not None:

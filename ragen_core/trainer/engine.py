@@ -1,8 +1,11 @@
 """Training engines: the seam between the update loop and how backward/optimizer steps happen.
 
-The update calls only ``engine.backward(loss)`` per micro-batch and
-``engine.step()`` once per mini-batch, so a DeepSpeed engine (ZeRO, several
-processes) can replace :class:`TorchEngine` without touching the update math.
+The update runs each micro-batch's loss as ``engine.forward(fn, ...)``, then
+calls ``engine.backward(loss)``, and ``engine.step()`` once per mini-batch, so a
+DeepSpeed engine (ZeRO, several processes) can replace :class:`TorchEngine`
+without touching the update math. Code that reads or writes the weights
+outside a forward (checkpoints, saving a model, a vLLM weight sync) does so
+inside ``engine.full_weights()`` (ZeRO-3 keeps only a slice of each weight).
 ``ENGINES`` maps ``trainer.backend`` to a factory: "torch" (:class:`TorchEngine`)
 and "deepspeed" (``ragen_core.trainer.deepspeed_engine``, imported only when
 chosen, so this module never needs deepspeed).
@@ -14,9 +17,10 @@ Run the tests with ``python -m pytest tests/unit/trainer -q``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -26,9 +30,17 @@ from ragen_core.trainer.models import PolicyModels
 
 __all__ = ["ENGINES", "Engine", "TorchEngine", "learning_rates", "make_engines", "trainable_parameters"]
 
+T = TypeVar("T")
+
 
 class Engine(Protocol):
-    """Backward and optimizer step for one trained module (actor, or critic)."""
+    """Forward, backward and optimizer step for one trained module (actor, or critic)."""
+
+    def forward(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, a forward pass of this engine's modules, run the way the engine needs."""
+
+    def full_weights(self, modify: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Inside, the modules' parameters hold their whole values (``modify``: writes to them are kept)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of ``loss`` (a micro-batch's share of the mini-batch loss)."""
@@ -66,6 +78,12 @@ class TorchEngine:
         self.optimizer = torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay)
         self.grad_clip = grad_clip
         self.skipped = 0
+
+    def forward(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return fn(*args, **kwargs)
+
+    def full_weights(self, modify: bool = False) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the parameters always are the whole weights
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

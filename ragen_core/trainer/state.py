@@ -13,7 +13,9 @@ Run the tests with ``python -m pytest tests/unit/trainer -q``.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,17 @@ class TrainState:
     """Completed training iterations (rollout + update)."""
     env_seed_counter: int = 0
     """Next env seed to hand out for training rollouts (the flow advances it)."""
+
+    @contextlib.contextmanager
+    def full_weights(self, modify: bool = False) -> Iterator[None]:
+        """Inside, every model parameter holds its whole value, for code that reads (``modify``: writes) weights
+        outside a forward: checkpoints, ``save_pretrained``, a weight sync. Only DeepSpeed ZeRO-3 partitions
+        them; then this gathers them on every rank (a collective) and partitions them again on exit."""
+        with contextlib.ExitStack() as stack:
+            for engine in (self.actor_engine, self.critic_engine):
+                if engine is not None:
+                    stack.enter_context(engine.full_weights(modify))
+            yield
 
 
 def seed_everything(seed: int) -> None:

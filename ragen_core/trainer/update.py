@@ -16,7 +16,8 @@ Steps (the math is ``ragen_core.algos``; this module only orchestrates):
    rows whose losses are normalised by the whole mini-batch's count (loss tokens
    for token-mean), so the accumulated gradient is exactly the mini-batch's.
 4. Actor loss = policy loss − entropy_coef·entropy (+ kl_coef·KL in the loss);
-   critic loss = clipped value loss. The gradient norm is taken over each
+   critic loss = clipped value loss. Every forward runs as ``engine.forward(fn, ...)``
+   of the engine that trains the module (DeepSpeed's ZeRO-3 needs its own forward). The gradient norm is taken over each
    mini-batch's accumulated gradient (the whole update, not one micro-batch).
 5. Data parallel (an engine with ``data_parallel == (rank, W)``, W > 1, e.g.
    DeepSpeed under torchrun): every process gets the same full batch and does
@@ -135,21 +136,27 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 
 @torch.no_grad()
 def _rollout_side(
-    models: PolicyModels, batch: TokenBatch, cfg: ExperimentConfig
+    state: TrainState, batch: TokenBatch, cfg: ExperimentConfig
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(old values [B, T] or None, reference log-probs [B, T] or None), micro-batched, no gradients."""
+    models = state.models
     has_critic = models.critic is not None or models.value_head is not None
     if not has_critic and not models.use_reference:
         return None, None
+    # Each forward runs through the engine of the module it reads (ZeRO-3 gathers weights only there).
+    critic_engine = state.critic_engine if models.critic is not None and state.critic_engine is not None \
+        else state.actor_engine
     values, ref = [], []
     width, device = batch.input_ids.shape[1], models.device
     for s in micro_slices(batch.batch_size, cfg.trainer.micro_batch_size):
         mb = _on(batch.select(torch.arange(s.start, s.stop)), device)
         if has_critic:
-            values.append(_pad_to(critic_values(models, mb.input_ids, mb.attention_mask).float().cpu(), width))
-        if models.use_reference:
-            lp = reference_logprobs(models, mb.input_ids, mb.attention_mask, cfg.rollout.temperature,
-                                    cfg.trainer.logprob_chunk, start=first_scored(mb.loss_mask))
+            v = critic_engine.forward(critic_values, models, mb.input_ids, mb.attention_mask)
+            values.append(_pad_to(v.float().cpu(), width))
+        if models.use_reference:  # a frozen copy outside the engine, or the actor with its adapters off
+            lp = state.actor_engine.forward(reference_logprobs, models, mb.input_ids, mb.attention_mask,
+                                            cfg.rollout.temperature, cfg.trainer.logprob_chunk,
+                                            start=first_scored(mb.loss_mask))
             ref.append(_pad_to(lp.cpu(), width))
     return (torch.cat(values) if values else None), (torch.cat(ref) if ref else None)
 
@@ -196,7 +203,7 @@ def update(
         raise ValueError(f"{batch.batch_size} rows cannot make trainer.online_k={tr.online_k} mini-batches")
     models.train()
     batch = _on(batch, torch.device("cpu"))  # bookkeeping on CPU; micro-batches go to the model's device
-    old_values, ref_logprobs = _rollout_side(models, batch, cfg)
+    old_values, ref_logprobs = _rollout_side(state, batch, cfg)
     rewards = _token_rewards(batch, ref_logprobs, algo)
     advantages, returns = compute_advantages(batch, rewards, old_values, algo)
     train_critic = returns is not None and old_values is not None
@@ -255,20 +262,21 @@ def _mini_batch_step(
         if idx.numel() == 0:  # no row left for this rank: a zero-weighted stand-in keeps its backwards paired
             idx, weight, stats = torch.zeros(1, dtype=torch.long), 0.0, _Meter()
         micro = _on(mb.select(idx), device)
-        w, m, n_tok = micro.input_ids.shape[1], micro.loss_mask, float(micro.loss_mask.sum())
-        loss, pg_loss, hidden = _actor_loss(models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w],
-                                            cfg, norm, stats)
+        w, n_tok = micro.input_ids.shape[1], float(micro.loss_mask.sum())
+        head_targets = None  # value head: one forward and one backward for both losses
+        if mb_ret is not None and models.value_head is not None:
+            head_targets = (mb_values[idx, :w], mb_ret[idx, :w], value_norm)
+        loss, pg_loss, head = state.actor_engine.forward(
+            _actor_loss, models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w], cfg, norm,
+            stats, head_targets)
         totals["actor/pg_loss"] += float(pg_loss) * weight
-        if mb_ret is not None and models.value_head is not None:  # value head: one backward for both losses
-            v_loss, v_stats = _value_loss(critic_values(models, micro.input_ids, micro.attention_mask, hidden),
-                                          mb_values[idx, :w], mb_ret[idx, :w], m, algo, value_norm)
-            loss = loss + algo.value_coef * v_loss
-            totals["critic/value_loss"] += float(v_loss.detach()) * weight
-            stats.add("critic/", v_stats, n_tok)
+        if head is not None:
+            totals["critic/value_loss"] += float(head[0]) * weight
+            stats.add("critic/", head[1], n_tok)
         state.actor_engine.backward(loss * weight)  # × 1.0 is exact: W = 1 is unchanged
         if mb_ret is not None and models.critic is not None and state.critic_engine is not None:
-            v_loss, v_stats = _value_loss(models.critic(micro.input_ids, micro.attention_mask),
-                                          mb_values[idx, :w], mb_ret[idx, :w], m, algo, value_norm)
+            v_loss, v_stats = state.critic_engine.forward(_critic_loss, models.critic, micro, mb_values[idx, :w],
+                                                          mb_ret[idx, :w], algo, value_norm)
             state.critic_engine.backward(v_loss * weight)
             totals["critic/value_loss"] += float(v_loss.detach()) * weight
             stats.add("critic/", v_stats, n_tok)
@@ -288,10 +296,13 @@ def _actor_loss(
     cfg: ExperimentConfig,
     normaliser: float,
     meter: _Meter,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    head_targets: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]] | None]:
     """Policy loss − entropy_coef·entropy (+ kl_coef·KL) of one micro-batch, as its share of the mini-batch.
 
-    Returns (loss with grad, policy loss detached, actor hidden states [b, w, H] for a value head).
+    head_targets: (old values, returns, normaliser) to add value_coef × the value head's loss on the
+    actor's hidden states. Returns (loss with grad, policy loss detached, (value loss detached, its
+    stats) or None).
     """
     algo, m = cfg.algorithm, micro.loss_mask
     out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
@@ -307,7 +318,19 @@ def _actor_loss(
         kl = losses.kl_penalty(out.logprobs, ref_logprobs, algo.kl_estimator)  # [b, w]
         loss = loss + algo.kl_coef * aggregate(kl, m, normaliser)
         meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), m)}, n_tok)
-    return loss, pg_loss.detach(), out.hidden
+    if head_targets is None:
+        return loss, pg_loss.detach(), None
+    old_values, returns, value_norm = head_targets
+    v_loss, v_stats = _value_loss(critic_values(models, micro.input_ids, micro.attention_mask, out.hidden),
+                                  old_values, returns, m, algo, value_norm)
+    return loss + algo.value_coef * v_loss, pg_loss.detach(), (v_loss.detach(), v_stats)
+
+
+def _critic_loss(critic: torch.nn.Module, micro: TokenBatch, old_values: torch.Tensor, returns: torch.Tensor,
+                 algo: AlgorithmConfig, normaliser: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The separate critic's clipped value loss on one micro-batch (its share of the mini-batch)."""
+    return _value_loss(critic(micro.input_ids, micro.attention_mask), old_values, returns, micro.loss_mask, algo,
+                       normaliser)
 
 
 def _value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

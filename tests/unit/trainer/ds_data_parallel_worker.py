@@ -5,6 +5,8 @@ Started by ``test_deepspeed_engine.py`` (not a test itself)::
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 \\
         tests/unit/trainer/ds_data_parallel_worker.py OUT.pt STAGE [overrides ...]
 
+(the overrides are ``a.b=c`` config strings, e.g. ZeRO-3's persistence threshold)
+
 Every rank builds the same state and calls ``update`` on the same full batch
 (:func:`batch` below); rank 0 saves the trained weights and the update's grad
 norms to OUT.pt.
@@ -36,9 +38,10 @@ def trained(overrides: list[str]) -> dict[str, object]:
     cfg = make_cfg("starpo", *DS_OVERRIDES, *overrides)
     state = init_state(cfg)
     stats = update(state, batch(), cfg)
-    return {"actor": {k: v.detach().clone() for k, v in state.models.actor.state_dict().items()},
-            "critic": {k: v.detach().clone() for k, v in state.models.critic.state_dict().items()},
-            "grad_norms": [stats.metrics["actor/grad_norm"], stats.metrics["critic/grad_norm"]]}
+    with state.full_weights():  # ZeRO-3 holds slices of the weights outside it (every rank gathers)
+        return {"actor": {k: v.detach().clone() for k, v in state.models.actor.state_dict().items()},
+                "critic": {k: v.detach().clone() for k, v in state.models.critic.state_dict().items()},
+                "grad_norms": [stats.metrics["actor/grad_norm"], stats.metrics["critic/grad_norm"]]}
 
 
 def main(out: str, stage: str, *overrides: str) -> None:

@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_batch, make_cfg
+from conftest import TINY, make_batch, make_cfg
 
 pytest.importorskip("deepspeed")
 
 from ds_data_parallel_worker import trained
 
 from ragen_core.config import ConfigError
+from ragen_core.models import load_tokenizer
+from ragen_core.rollout.generators import SamplingParams, make_generator
 from ragen_core.trainer import init_state, load_checkpoint, save_checkpoint, update
 from ragen_core.trainer.state import TrainState
 from ragen_core.trainer.update import micro_slices, rank_micro_rows
@@ -34,15 +36,19 @@ ATOL, RTOL = 1e-5, 1e-4
 
 
 def _ds(stage: int) -> list[str]:
-    return ["trainer.backend=deepspeed", f"trainer.zero_stage={stage}"]
+    # ZeRO-3 keeps parameters under 1e5 elements whole by default, i.e. all of the tiny model's: threshold 0
+    # makes it partition (and gather around each use) every one of them, as it does a real model's big ones.
+    keep_whole = ["trainer.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"] if stage == 3 else []
+    return ["trainer.backend=deepspeed", f"trainer.zero_stage={stage}", *keep_whole]
 
 
 def _weights(state: TrainState) -> dict[str, torch.Tensor]:
     out = {}
-    for prefix, m in (("actor", state.models.actor), ("critic", state.models.critic),
-                      ("head", state.models.value_head)):
-        if m is not None:
-            out.update({f"{prefix}.{k}": v.detach().clone() for k, v in m.state_dict().items()})
+    with state.full_weights():  # ZeRO-3 holds slices of the weights outside it
+        for prefix, m in (("actor", state.models.actor), ("critic", state.models.critic),
+                          ("head", state.models.value_head)):
+            if m is not None:
+                out.update({f"{prefix}.{k}": v.detach().clone() for k, v in m.state_dict().items()})
     return out
 
 
@@ -76,8 +82,8 @@ def test_rank_micro_rows_split_each_block_between_ranks() -> None:
 
 @pytest.mark.parametrize(
     ("stage", "overrides"),
-    [(0, []), (1, []), (2, []), (2, ["algorithm.critic=head"])],
-    ids=["zero0", "zero1", "zero2", "zero2-value-head"],
+    [(0, []), (1, []), (2, []), (2, ["algorithm.critic=head"]), (3, []), (3, ["algorithm.critic=head"])],
+    ids=["zero0", "zero1", "zero2", "zero2-value-head", "zero3", "zero3-value-head"],
 )
 def test_update_matches_torch_backend(stage: int, overrides: list[str]) -> None:
     # Two optimizer steps (online_k=2) of 4 micro-batches each; starpo has a separate critic and a KL reference.
@@ -106,7 +112,7 @@ def test_update_matches_torch_backend(stage: int, overrides: list[str]) -> None:
     assert got.actor_engine.lr == ref.actor_engine.lr and got.actor_engine.skipped == 0
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_checkpoint_round_trip(tmp_path: Path, stage: int) -> None:
     cfg = make_cfg("starpo", *_ds(stage))
     first, second = make_batch(seed=1), make_batch(seed=2)
@@ -133,11 +139,12 @@ def test_checkpoint_round_trip(tmp_path: Path, stage: int) -> None:
     _assert_close(_weights(as_torch), want)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_non_finite_gradient_skips_the_step(stage: int) -> None:
     state = init_state(make_cfg("grpo", *_ds(stage)))
     engine, before = state.actor_engine, _weights(state)
-    engine.backward(sum(p.sum() for p in state.models.actor.parameters()) * float("nan"))
+    ids = torch.arange(1, 9)[None]  # a forward through the engine (ZeRO-3 holds only slices of the weights outside)
+    engine.backward(engine.forward(lambda: state.models.actor(input_ids=ids).logits.sum() * float("nan")))
     norm = engine.step()
     assert math.isnan(norm) or norm == math.inf  # NaN (stage 0, as TorchEngine) or inf (ZeRO's overflow value)
     assert engine.skipped == 1
@@ -151,13 +158,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_two_process_update_equals_one_process(tmp_path: Path, stage: int) -> None:
     # torchrun starts 2 ranks; each trains its half of every mini-batch (10 rows, online_k=2, micro-batches
     # of 2: rank 1 also runs a zero-weighted stand-in for the last block) and rank 0 saves the result.
     out = tmp_path / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), str(out), str(stage)]
+           "--master_port", str(_free_port()), str(WORKER), str(out), str(stage), *_ds(stage)[2:]]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -168,9 +175,42 @@ def test_two_process_update_equals_one_process(tmp_path: Path, stage: int) -> No
     assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=RTOL)  # ×W undone would halve them
 
 
-def test_zero3_is_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigError, match="ZeRO-3 is not supported"):
-        init_state(make_cfg("starpo", *_ds(3)))
+def test_zero3_rollouts_see_the_trained_weights_and_leave_them_partitioned() -> None:
+    # Rollouts call the actor directly (not through the engine): ZeRO-3's per-layer hooks gather each
+    # layer's weights for its forward and free them after. Same seed, same tokens as the torch backend,
+    # before and after an update.
+    tokenizer = load_tokenizer(TINY)
+    prompts = [list(range(5, 17)), list(range(30, 39))]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    runs = {}
+    for name, backend in (("torch", []), ("zero3", _ds(3))):
+        cfg = make_cfg("starpo", *backend)
+        state = init_state(cfg)
+        generator = make_generator("hf", state.models.actor, tokenizer)
+        before = generator.generate(prompts, params)
+        update(state, make_batch(), cfg)
+        with state.full_weights():
+            generator.update_weights(state.models.actor)
+        runs[name] = (before, generator.generate(prompts, params), state)
+    for (want, got) in zip(runs["torch"][:2], runs["zero3"][:2], strict=True):
+        assert [g.token_ids for g in got] == [g.token_ids for g in want]
+        for g, w in zip(got, want, strict=True):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert runs["torch"][0][0].token_ids != runs["torch"][1][0].token_ids or \
+        runs["torch"][0][0].logprobs != runs["torch"][1][0].logprobs  # the update changed what is sampled
+    zero3 = runs["zero3"][2]
+    assert all(p.numel() == 0 for p in zero3.models.actor.parameters())  # partitioned again after the rollouts
+    with zero3.full_weights():
+        assert zero3.models.actor.get_input_embeddings().weight.shape == (len(tokenizer), 64)
+
+
+def test_deepspeed_config_cannot_override_what_the_update_math_relies_on() -> None:
+    with pytest.raises(ConfigError, match="gradient_clipping, train_micro_batch_size_per_gpu come from ragen"):
+        make_cfg("grpo", *_ds(2), "trainer.deepspeed.gradient_clipping=5", "trainer.deepspeed.train_micro_batch_size_per_gpu=1")
+    with pytest.raises(ConfigError, match="zero_optimization.stage come from"):
+        make_cfg("grpo", *_ds(2), "trainer.deepspeed.zero_optimization.stage=3")
+    with pytest.raises(ConfigError, match="ZeRO-3 with LoRA is not supported"):
+        make_cfg("grpo", *_ds(3), "model.lora_rank=4")
 
 
 def test_missing_deepspeed_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
