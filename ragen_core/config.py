@@ -282,13 +282,13 @@ class ExperimentConfig:
         return self.eval.envs or (self.env,)
 
 
-# SPEC §4 presets: applied under the experiment file's own values.
 DEEPSPEED_OWNED_KEYS = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "managed_gradient_accumulation", "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
     "zero_allow_untested_optimizer"})
 """DeepSpeed config keys the engine sets itself (``trainer.deepspeed`` may not): its update math depends on them."""
 
+# SPEC §4 presets: applied under the experiment file's own values.
 PRESETS: dict[str, dict[str, Any]] = {
     "starpo": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_mode": "none", "keep_ratio": 1.0,
                              "kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2}},

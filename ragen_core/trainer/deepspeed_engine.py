@@ -243,7 +243,8 @@ class DeepSpeedEngine:
             if all(s is None for s in per_param):
                 continue
             step = next(s["step"] for s in per_param if s is not None)
-            for flat in self._flats(g):
+            flats = self._flats(g)
+            for flat in flats:
                 self.optimizer.state[flat] = {"step": step.clone().to(torch.float32),
                                               **{k: torch.zeros_like(flat) for k in _ADAM_KEYS}}
             if self.zero_stage < 3:  # point every parameter's fragment at the new state tensors
@@ -253,7 +254,7 @@ class DeepSpeedEngine:
             for p, s in zip(group, per_param, strict=True):
                 if s is not None:
                     for k in _ADAM_KEYS:
-                        safe_set_full_optimizer_state(p, s[k].to(flat.device, flat.dtype), k)
+                        safe_set_full_optimizer_state(p, s[k].to(flats[0].device, flats[0].dtype), k)
         zero.refresh_fp32_params()  # ZeRO steps its own fp32 copy of the weights: take the loaded ones
 
     def _flats(self, group: int) -> list[torch.Tensor]:

@@ -16,9 +16,10 @@ Steps (the math is ``ragen_core.algos``; this module only orchestrates):
    rows whose losses are normalised by the whole mini-batch's count (loss tokens
    for token-mean), so the accumulated gradient is exactly the mini-batch's.
 4. Actor loss = policy loss − entropy_coef·entropy (+ kl_coef·KL in the loss);
-   critic loss = clipped value loss. Every forward runs as ``engine.forward(fn, ...)``
-   of the engine that trains the module (DeepSpeed's ZeRO-3 needs its own forward). The gradient norm is taken over each
+   critic loss = clipped value loss. The gradient norm is taken over each
    mini-batch's accumulated gradient (the whole update, not one micro-batch).
+   Every forward runs as ``engine.forward(fn, ...)`` of the engine that trains
+   the module (DeepSpeed's ZeRO-3 needs its own forward).
 5. Data parallel (an engine with ``data_parallel == (rank, W)``, W > 1, e.g.
    DeepSpeed under torchrun): every process gets the same full batch and does
    steps 1-2 on all of it; in step 3 it trains only its share of each
