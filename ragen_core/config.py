@@ -251,8 +251,6 @@ class ExperimentConfig:
             )
         if self.eval.seed_start + self.eval.seeds > 1_000_000:
             raise ConfigError("eval.seed_start: held-out seeds must stay below 1,000,000, where training seeds start")
-        if self.trainer.backend == "deepspeed" and self.model.lora_rank and self.trainer.zero_stage == 3:
-            raise ConfigError("trainer.zero_stage: ZeRO-3 with LoRA is not supported; use stage 0-2")
         owned = sorted(set(self.trainer.deepspeed) & DEEPSPEED_OWNED_KEYS)
         if "stage" in (self.trainer.deepspeed.get("zero_optimization") or {}):
             owned.append("zero_optimization.stage")
