@@ -94,21 +94,21 @@ class Trajectory:
 class TokenBatch:
     """Trainer input: one right-padded row per trajectory; all [B, T] tensors aligned to input_ids."""
 
-    input_ids: "torch.Tensor"  # [B, T] long
-    attention_mask: "torch.Tensor"  # [B, T] bool, False on padding
-    loss_mask: "torch.Tensor"  # [B, T] bool, True exactly on tokens the model generated
-    old_logprobs: "torch.Tensor"  # [B, T] float, sampling logprobs where loss_mask, else 0
-    rewards: "torch.Tensor"  # [B, T] float, reward placed on the last generated token (or each turn's)
-    turn_ids: "torch.Tensor"  # [B, T] long, turn index of each token, -1 on padding
-    turn_ends: "torch.Tensor"  # [B, T] bool, True on the last generated token of each turn
-    group_ids: "torch.Tensor"  # [B] long, trajectories sharing an initial state
-    returns: "torch.Tensor"  # [B] float, trajectory total_return (GRPO input)
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] bool, False on padding
+    loss_mask: torch.Tensor  # [B, T] bool, True exactly on tokens the model generated
+    old_logprobs: torch.Tensor  # [B, T] float, sampling logprobs where loss_mask, else 0
+    rewards: torch.Tensor  # [B, T] float, reward placed on the last generated token (or each turn's)
+    turn_ids: torch.Tensor  # [B, T] long, turn index of each token, -1 on padding
+    turn_ends: torch.Tensor  # [B, T] bool, True on the last generated token of each turn
+    group_ids: torch.Tensor  # [B] long, trajectories sharing an initial state
+    returns: torch.Tensor  # [B] float, trajectory total_return (GRPO input)
 
     @property
     def batch_size(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def select(self, rows: "torch.Tensor | list[int]") -> "TokenBatch":
+    def select(self, rows: torch.Tensor | list[int]) -> TokenBatch:
         """A new batch with only ``rows`` (used for mini-batches and filtering)."""
         import torch
 
