@@ -1,6 +1,7 @@
 """Rollouts (SPEC §3, §5): prompt rendering, reply parsing, the multi-turn loop, token batches, evaluation.
 
-    from ragen_core.rollout import run_rollouts, build_token_batch, evaluate, rollout_metrics
+    from ragen_core.rollout import run_rollouts, build_token_batch, rollout_metrics
+    from ragen_core.rollout.evaluate import evaluate   # the module ``evaluate`` holds the function ``evaluate``
     from ragen_core.rollout.parse import parse_response
     from ragen_core.rollout.generators import make_generator
 
@@ -8,6 +9,8 @@ Modules: ``parse`` (replies → actions), ``prompts`` (the words), ``chat`` (the
 stop tokens and spans: the only model-specific code), ``context`` (window and hard cap), ``loop``
 (``run_rollouts``), ``batch`` (``build_token_batch``), ``evaluate``, ``metrics``, ``generators``
 (hf / vllm backends). Names are imported lazily, so ``import ragen_core.rollout`` loads nothing heavy.
+The function ``evaluate`` is not exported here: ``ragen_core.rollout.evaluate`` is its module (a
+package attribute that Python rebinds to the submodule as soon as anything imports it).
 
 Run the tests: ``.venv/bin/python -m pytest tests/unit/rollout -q``.
 """
@@ -24,7 +27,6 @@ _EXPORTS = {
     "run_rollouts": "loop",
     "context_limit": "loop",
     "build_token_batch": "batch",
-    "evaluate": "evaluate",
     "EvalResult": "evaluate",
     "heldout_seeds": "evaluate",
     "rollout_metrics": "metrics",

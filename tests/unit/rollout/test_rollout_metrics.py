@@ -91,3 +91,15 @@ def test_evaluate_fixed_seeds_temperature_and_pass_at_n() -> None:
     assert again.metrics == m
     with pytest.raises(ValueError):
         heldout_seeds(0)
+
+
+def test_package_exports_resolve_to_the_same_objects_in_any_import_order() -> None:
+    # `ragen_core.rollout.evaluate` is the submodule (Python binds it on the package on first import),
+    # so the package exports the module's other names, never a function called `evaluate`.
+    import subprocess
+    import sys
+
+    code = ("import ragen_core.rollout as r, ragen_core.rollout.evaluate as m; "
+            "assert r.evaluate is m and r.heldout_seeds is m.heldout_seeds and r.EvalResult is m.EvalResult; "
+            "assert 'evaluate' not in r.__all__")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
