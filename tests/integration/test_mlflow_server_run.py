@@ -118,9 +118,10 @@ class Outage(threading.Thread):
         try:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
-                if self.history_file.exists() and self.history_file.read_text().count("\n") >= 1:
+                lines = self.history_file.read_text().count("\n") if self.history_file.exists() else 0
+                if lines >= 1:
                     self.server.kill()
-                    self.killed_after_lines = self.history_file.read_text().count("\n")
+                    self.killed_after_lines = lines  # counted before the kill, which takes a moment itself
                     break
                 time.sleep(0.05)
             else:
@@ -133,24 +134,31 @@ class Outage(threading.Thread):
 
 @pytest.mark.slow  # ~1.5 min (two server start-ups and a 2-iteration run); the logger-level outage test runs by default
 def test_server_killed_mid_run_no_metric_lost_or_doubled(
-    mlflow_server: MlflowServer, data_dir: Path, on_prefect_server: None, caplog: pytest.LogCaptureFixture
+    mlflow_server: MlflowServer, data_dir: Path, on_prefect_server: None
 ) -> None:
     from mlflow import MlflowClient
 
     from ragen_core.tracking import deliver_pending
     from ragen_core.tracking.mlflow_logger import log as tracking_log
 
-    caplog.set_level(logging.WARNING, logger=tracking_log.name)
+    # A handler on the logger itself: a flow run's logging set-up can stop records reaching pytest's root handler.
+    records: list[logging.LogRecord] = []
+    catcher = logging.Handler(logging.WARNING)
+    catcher.emit = records.append  # type: ignore[method-assign]
+    tracking_log.addHandler(catcher)
     run_dir = data_dir / "runs" / "it-outage"
     outage = Outage(mlflow_server, run_dir / "history.jsonl", down_s=2.0)
     outage.start()
-    result = run_smoke(mlflow_server, "it-outage")  # 2 iterations: the second one is logged into the outage
+    # 2 iterations: the second one is logged into the outage (16 prompts instead of 4 lengthen it, so the
+    # kill, which itself takes a moment, lands well before its metrics are sent)
+    result = run_smoke(mlflow_server, "it-outage", "rollout.prompts_per_iter=16")
     outage.join(timeout=300)
+    tracking_log.removeHandler(catcher)
     assert outage.error is None, outage.error
     assert outage.killed_after_lines == 1, "the server must die before the second iteration is recorded"
     assert len(mlflow_server.start_seconds) == 2
     print(f"mlflow server start-ups: {', '.join(f'{s:.1f} s' for s in mlflow_server.start_seconds)}")
-    warnings = [r.getMessage() for r in caplog.records if r.name == tracking_log.name]
+    warnings = [r.getMessage() for r in records]
     assert any("unreachable" in w for w in warnings), warnings  # the outage was felt, once, as a warning
 
     left = deliver_pending(run_dir, mlflow_server.uri)  # no-op when close() already got through
