@@ -758,6 +758,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     """
     from transformers import AutoModelForCausalLM
 
+    if torch.device(device).type == "cpu" and not torch.cuda.is_available():
+        # DeepSpeed (installed for trainer.backend: deepspeed) is imported by accelerate on every
+        # save_pretrained, and then warns that it is "unable to detect" a GPU and falls back to the
+        # CPU. With no CUDA and the model on the CPU, name the CPU for it (what it would pick).
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     parsed = _parse_spec(spec)
     if parsed.kind == "tiny":
         model, _ = tiny_random(parsed.seed)

@@ -205,6 +205,20 @@ def test_tiny_random_same_in_a_subprocess() -> None:
     assert out.stdout.strip() == models._tiny_tokenizer_json().strip()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed then picks CUDA, without the warning")
+def test_saving_a_cpu_model_prints_no_deepspeed_accelerator_warning(tmp_path: Path) -> None:
+    # accelerate imports DeepSpeed (when installed) inside save_pretrained; without DS_ACCELERATOR
+    # DeepSpeed warned "Setting accelerator to CPU ... unable to detect it" in every torch-backend run.
+    pytest.importorskip("deepspeed")
+    code = ("import sys; from ragen_core import models as m; "
+            "m.load_model('tiny-random:0').save_pretrained(sys.argv[1]); import deepspeed")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["RAGEN_DATA_DIR"] = str(tmp_path / "data")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True,
+                         env=env, check=True, timeout=300)
+    assert "Setting accelerator" not in out.stdout + out.stderr
+
+
 def test_tiny_model_shape_and_tied_embeddings() -> None:
     model, tok = models.tiny_random(0)
     cfg = model.config
