@@ -1,9 +1,9 @@
-"""The DeepSpeed backend on the tiny model, on CPU (gloo): same update as the torch backend at ZeRO 0-2,
-a 2-process data-parallel update equal to the 1-process one, checkpoints, and clear errors.
+"""The DeepSpeed backend on the tiny model, on CPU (gloo): same update as the torch backend at ZeRO 0-3,
+a 2-process data-parallel update equal to the 1-process one, checkpoints, ZeRO-3 rollouts, and clear errors.
 
 Run with ``python -m pytest tests/unit/trainer/test_deepspeed_engine.py -q``. The 2-process check runs
-stages 0 (gradients reduced once, in step) and 2 (reduced inside every backward) by default, stage 1
-(the same path as 0) only with the slow tests; each takes about 10 s on 2 cores. The first DeepSpeed use
+stages 0 (gradients reduced once, in step), 2 (reduced inside every backward) and 3 (weights partitioned
+too) by default, stage 1 (the same path as 0) only with the slow tests; each takes about 10 s on 2 cores. The first DeepSpeed use
 on a machine compiles its shared-memory comm op (about 35 s here, then cached in ~/.cache/torch_extensions).
 """
 
