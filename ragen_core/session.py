@@ -15,6 +15,7 @@ Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -229,7 +230,10 @@ def update_policy(sess: Session, selection: Selection) -> UpdateStats:
     from ragen_core.trainer import update
 
     stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens)
-    with sess.state.full_weights():  # a vLLM generator copies them (ZeRO-3 holds slices outside this)
+    # The hf generator samples from the actor itself (ZeRO-3 gathers per layer as it runs); a vLLM one
+    # copies the weights, so they are gathered whole for it.
+    gather = sess.state.full_weights() if sess.cfg.rollout.backend != "hf" else contextlib.nullcontext()
+    with gather:
         sess.generator.update_weights(sess.state.models.actor)
     sess.state.iteration += 1
     return stats

@@ -96,10 +96,11 @@ def open_storage(url: str, heartbeat_seconds: int | None = None, retries: int = 
     import optuna
 
     engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
-    if url.startswith("sqlite:///"):
+    db_file = _sqlite_file(url)
+    if db_file is not None:
         # several worker processes write one file: wait for the lock instead of failing after 5 s
         engine_kwargs = {"connect_args": {"timeout": 120}}
-        Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        db_file.parent.mkdir(parents=True, exist_ok=True)
     beat: dict[str, Any] = {}
     with _creation_lock(url), warnings.catch_warnings():  # heartbeat and retry are "experimental" since Optuna 2.8
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -116,11 +117,17 @@ def _creation_lock(url: str) -> contextlib.AbstractContextManager[Any]:
     creating the same new database at once otherwise collide in Optuna's schema set-up (measured: 1-3 of
     4 simultaneous starts failed with "table studies already exists" or a UNIQUE constraint on
     alembic_version). A database server is shared across machines, where a lock file cannot help."""
-    if not url.startswith("sqlite:///"):
+    db_file = _sqlite_file(url)
+    if db_file is None:
         return contextlib.nullcontext()
     from filelock import FileLock
 
-    return FileLock(str(Path(url[len("sqlite:///"):]).expanduser()) + ".lock", timeout=300)
+    return FileLock(f"{db_file}.lock", timeout=300)
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URL; None for any other URL."""
+    return Path(url[len("sqlite:///"):]).expanduser() if url.startswith("sqlite:///") else None
 
 
 def make_sampler(sweep: SweepConfig, grid: Mapping[str, Sequence[Any]] | None) -> optuna.samplers.BaseSampler:

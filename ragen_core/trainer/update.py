@@ -145,8 +145,7 @@ def _rollout_side(
     if not has_critic and not models.use_reference:
         return None, None
     # Each forward runs through the engine of the module it reads (ZeRO-3 gathers weights only there).
-    critic_engine = state.critic_engine if models.critic is not None and state.critic_engine is not None \
-        else state.actor_engine
+    critic_engine = state.critic_engine or state.actor_engine  # a value head is trained by the actor's engine
     values, ref = [], []
     width, device = batch.input_ids.shape[1], models.device
     for s in micro_slices(batch.batch_size, cfg.trainer.micro_batch_size):
