@@ -123,6 +123,8 @@ class RolloutConfig:
     temperature: float = F(1.0, "sampling temperature for training rollouts", gt=0.0)
     top_p: float = F(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
     think: bool = F(True, "ask for <think>..</think><answer>..</answer>; False is the NoThink variant (<answer> only)")
+    prefill: bool = F(True, "end every generation prompt with <think> (<answer> in NoThink) as untrained context, "
+                            "as the reference does; False lets the model open the tag itself")
     format_penalty: float = F(-0.1, "added to a turn's reward when its reply does not parse or names no/unknown actions", le=0.0)
     format_reward: float = F(0.0, "optional partial credit added for a reply that parses (0 disables)", ge=0.0)
     reward_placement: Literal["last", "turn"] = F("last", "trajectory reward on the last generated token, or each turn's on that turn's last token")

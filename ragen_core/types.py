@@ -33,7 +33,8 @@ class Turn:
     logprobs: tuple[float, ...]
     """Log-probabilities of ``response_ids`` under the sampling distribution."""
     response_text: str
-    """Decoded reply (for reading and parsing only; training uses ``response_ids``)."""
+    """The assistant message as it reads: the prefilled tag (``Trajectory.meta["prefill"]``, part of the
+    prompt) and then the decoded reply; for reading and parsing only (training uses ``response_ids``)."""
     actions: tuple[str, ...]
     """Actions of the reply that were valid and executed, in order."""
     reward: float

@@ -37,6 +37,7 @@ import torch
 
 from ragen_core.rollout.chat import ChatRenderer, RenderedSequence, Span
 from ragen_core.rollout.context import render_dialogue
+from ragen_core.rollout.prompts import make_renderer
 from ragen_core.types import TokenBatch, Trajectory
 
 if TYPE_CHECKING:
@@ -118,14 +119,16 @@ def build_token_batch(
     """One row per trajectory, right-padded to the longest row (module docstring)."""
     if not trajectories:
         raise ValueError("build_token_batch needs at least one trajectory")
-    renderers = {rollout_cfg.system_prompt: renderer or ChatRenderer(tokenizer, rollout_cfg.system_prompt)}
+    first = renderer or make_renderer(tokenizer, rollout_cfg)
+    renderers = {(first.system_prompt, first.prefill): first}
 
     def renderer_for(t: Trajectory) -> ChatRenderer:
-        # a re-rendered head must carry the system prompt the rollout used
-        system = t.meta.get("system_prompt", rollout_cfg.system_prompt)
-        if system not in renderers:
-            renderers[system] = ChatRenderer(tokenizer, system)
-        return renderers[system]
+        # a re-rendered head must carry the system prompt and prefill the rollout used (no "prefill"
+        # in meta: a trajectory from before prefilling existed, so none)
+        key = (t.meta.get("system_prompt", rollout_cfg.system_prompt), t.meta.get("prefill", ""))
+        if key not in renderers:
+            renderers[key] = make_renderer(tokenizer, rollout_cfg, *key)
+        return renderers[key]
 
     rows = [trajectory_row(t, renderer_for(t), rollout_cfg.window_turns, max_length) for t in trajectories]
     width = max(len(r) for r in rows)

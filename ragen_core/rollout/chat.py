@@ -4,7 +4,7 @@ The dialogue of an episode is built in TOKEN space, incrementally, so training s
 the model saw and sampled (SPEC §3; the reference re-serialised text instead):
 
     renderer = ChatRenderer(tokenizer, system_prompt)
-    head = renderer.head_ids(first_user)          # system + first user message + generation prompt
+    head = renderer.head_ids(first_user)          # system + first user message + generation prompt (+ prefill)
     # ... the model samples reply ids r0 (ending with the stop token when it stopped) ...
     delta = renderer.transition_ids(r0, user1)    # closes reply 0, adds user message 1 + generation prompt
     context = head + r0 + delta                   # prompt of turn 1; r0 is never re-tokenised
@@ -18,6 +18,11 @@ end-of-turn token: it becomes a stop token for sampling, and when a reply alread
 ``max_new_tokens`` the transition keeps it, so the assistant message is still closed properly.
 Whatever the template writes after the end-of-turn token (ChatML's ``\\n``) belongs to the next
 prompt, never to the loss mask.
+
+``prefill`` (``<think>``, or ``<answer>`` in NoThink; ``rollout.prefill``) is appended after every
+generation prompt, as the reference does: the model continues from inside the format. It is part of
+the prompt's ids (context, not a trained token); :meth:`ChatRenderer.reply_text` puts it back in front
+of the sampled text for parsing and reading.
 
 A system message is always passed (templates such as SmolLM2's and Qwen's inject a default system
 prompt otherwise); templates that reject the system role get it prepended to the first user text.
@@ -54,13 +59,15 @@ class ChatRenderer:
     Immutable after construction; construct once per (tokenizer, system prompt).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, system_prompt: str) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, system_prompt: str, prefill: str = "") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "the tokenizer has no chat_template; use an instruct/chat model or set tokenizer.chat_template"
             )
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.prefill = prefill
+        """Text after every generation prompt that the reply continues from (``<think>``; SPEC §3): context, never trained."""
         self._system_role = self._supports_system_role()
         tail = self._tail("x")
         self.end_of_turn_id, self.end_of_turn_text = self._end_of_turn(tail)
@@ -72,8 +79,9 @@ class ChatRenderer:
 
     # ------------------------------------------------------------------ rendering
     def head_ids(self, first_user_text: str) -> tuple[int, ...]:
-        """System message + first user message + generation prompt, as ids (the start of every context)."""
-        return self.encode(self.render([self._user(first_user_text, first=True)], add_generation_prompt=True))
+        """System message + first user message + generation prompt (+ prefill), as ids (the start of every context)."""
+        return self.encode(self.render([self._user(first_user_text, first=True)], add_generation_prompt=True)
+                           + self.prefill)
 
     def transition_ids(self, prev_response_ids: Sequence[int], user_text: str) -> tuple[int, ...]:
         """Ids that follow a sampled reply: close it, add the user message ``user_text``, open the next reply.
@@ -85,7 +93,7 @@ class ChatRenderer:
         ended = bool(prev_response_ids) and self.end_of_turn_id is not None
         if ended and int(prev_response_ids[-1]) == self.end_of_turn_id:
             tail = tail[len(self.end_of_turn_text):]
-        return self.encode(tail)
+        return self.encode(tail + self.prefill)
 
     def messages(self, first_user_text: str, replies: Sequence[str], user_texts: Sequence[str]) -> list[dict[str, str]]:
         """The chat messages equivalent to a rendered dialogue (for reading and for template checks)."""
@@ -106,8 +114,15 @@ class ChatRenderer:
         return tuple(int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode_reply(self, response_ids: Sequence[int]) -> str:
-        """A reply as text for parsing and reading (special tokens such as the stop token removed)."""
+        """The sampled ids as text (special tokens such as the stop token removed), without the prefill."""
         return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+
+    def reply_text(self, response_ids: Sequence[int]) -> str:
+        """The assistant message as it reads: the prefill the reply continued from, then the sampled text.
+
+        This is what is parsed (the reference adds the prefilled tag back the same way).
+        """
+        return self.prefill + self.decode_reply(response_ids)
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text)) if text else 0

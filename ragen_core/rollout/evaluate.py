@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ragen_core.rollout.chat import ChatRenderer
+from ragen_core.rollout.prompts import make_renderer
 from ragen_core.rollout.loop import Progress, run_rollouts
 from ragen_core.rollout.metrics import pass_at_n
 from ragen_core.types import Trajectory
@@ -66,7 +66,7 @@ def evaluate(
     progress: Progress | None = None,
 ) -> EvalResult:
     """Roll out every env on ``seeds`` with ``n_per_seed`` samples each and summarise per env tag."""
-    renderer = ChatRenderer(tokenizer, rollout_cfg.system_prompt)
+    renderer = make_renderer(tokenizer, rollout_cfg)
     metrics: dict[str, float] = {}
     trajectories: list[Trajectory] = []
     for env_cfg in env_cfgs:

@@ -49,7 +49,7 @@ import numpy as np
 from ragen_core.rollout.chat import ChatRenderer, RenderedSequence
 from ragen_core.rollout.context import HeadCache, render_dialogue
 from ragen_core.rollout.parse import match_actions, parse_response
-from ragen_core.rollout.prompts import first_user_text, instruction_block, turn_text
+from ragen_core.rollout.prompts import first_user_text, instruction_block, make_renderer, turn_text
 from ragen_core.types import Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def run_rollouts(
 
     if n_per_group < 1:
         raise ValueError(f"n_per_group must be >= 1, got {n_per_group}")
-    renderer = renderer or ChatRenderer(tokenizer, rollout_cfg.system_prompt)
+    renderer = renderer or make_renderer(tokenizer, rollout_cfg)
     limit = context_limit(rollout_cfg, model_max_length, tokenizer)
     budget = None if limit is None else limit - rollout_cfg.max_new_tokens
     if budget is not None and budget <= 0:
@@ -167,7 +167,7 @@ def run_rollouts(
     except BaseException:
         _end_sessions(generator, [ep for ep in episodes if not ep.done])  # free the backend's caches
         raise
-    return [_finish(ep, env_cfg, rollout_cfg) for ep in episodes]
+    return [_finish(ep, env_cfg, rollout_cfg, renderer.prefill) for ep in episodes]
 
 
 def _new_episode(env_cfg: EnvConfig, cfg: RolloutConfig, seed: int, group_id: int, member: int,
@@ -222,7 +222,7 @@ def _next_context(ep: _Episode, renderer: ChatRenderer, cfg: RolloutConfig, budg
 
 def _apply_reply(ep: _Episode, gen: Generation, renderer: ChatRenderer, cfg: RolloutConfig) -> None:
     """Parse one reply, run its actions, record the Turn and decide whether the episode ends."""
-    text = renderer.decode_reply(gen.token_ids)
+    text = renderer.reply_text(gen.token_ids)  # the prefilled tag, then the sampled text (SPEC §3)
     parsed = parse_response(text, think=cfg.think, max_actions=cfg.max_actions_per_turn)
     matched = match_actions(parsed.actions, ep.env.match_action)
     obs_before, reward, executed, effective, rejected = ep.obs, 0.0, [], 0, 0
@@ -260,12 +260,13 @@ def _end_sessions(generator: Generator, ended: Sequence[_Episode]) -> None:
         generator.end_sessions([ep.session for ep in ended])
 
 
-def _finish(ep: _Episode, env_cfg: EnvConfig, cfg: RolloutConfig) -> Trajectory:
+def _finish(ep: _Episode, env_cfg: EnvConfig, cfg: RolloutConfig, prefill: str) -> Trajectory:
     meta: dict[str, Any] = {
         "env_name": env_cfg.name,
         "member": ep.member,
         "dynamics_seed": ep.member,
         "system_prompt": cfg.system_prompt,
+        "prefill": prefill,
         "instruction": ep.block,
         "user_texts": list(ep.user_texts[: len(ep.turns)]),
         "named_actions": list(ep.named),

@@ -13,10 +13,18 @@ Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_prompts.py -
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
+from ragen_core.rollout.chat import ChatRenderer
 from ragen_core.rollout.parse import ACTION_SEP
 
-__all__ = ["FORMAT_NOTHINK", "FORMAT_THINK", "first_user_text", "fmt_reward", "instruction_block", "turn_text"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ragen_core.config import RolloutConfig
+
+__all__ = ["FORMAT_NOTHINK", "FORMAT_THINK", "first_user_text", "fmt_reward", "instruction_block", "make_renderer",
+           "reply_prefill", "turn_text"]
 
 FORMAT_THINK = "<think> [your thoughts] </think> <answer> [your answer] </answer>"
 """The required reply format with thinking (the reference's wording)."""
@@ -45,6 +53,20 @@ def instruction_block(
         parts.append("Available actions: " + ", ".join(action_names))
     parts.append(f'You can make up to {max_actions_per_turn} actions, separated by "{ACTION_SEP}".')
     return "\n".join(parts)
+
+
+def reply_prefill(think: bool, prefill: bool = True) -> str:
+    """The tag a reply starts from (SPEC §3): ``<think>``, ``<answer>`` in NoThink, '' when prefill is off."""
+    if not prefill:
+        return ""
+    return "<think>" if think else "<answer>"
+
+
+def make_renderer(tokenizer: PreTrainedTokenizerBase, cfg: RolloutConfig, system_prompt: str | None = None,
+                  prefill: str | None = None) -> ChatRenderer:
+    """The renderer of ``cfg``'s dialogues: its system prompt and reply prefill unless given."""
+    return ChatRenderer(tokenizer, cfg.system_prompt if system_prompt is None else system_prompt,
+                        reply_prefill(cfg.think, cfg.prefill) if prefill is None else prefill)
 
 
 def fmt_reward(value: float) -> str:

@@ -8,6 +8,9 @@ the text, then the first stop token, with finish reason "stop"; a reply longer t
 ``max_new_tokens`` is cut there with finish reason "length" and no stop token. Log-probs are a
 made-up deterministic function of (call, row, position), so tests can check they travel intact.
 Every call is recorded in ``calls`` (prompts, params, session ids) and ended sessions in ``ended``.
+Scripts are written as whole assistant messages: when the prompt already ends with the tag a
+scripted text starts with (the ``<think>`` / ``<answer>`` prefill, SPEC §3), the reply is the text
+after it, as a model continuing from the prefill would write it.
 
 Run the tests that use it: ``.venv/bin/python -m pytest tests/unit/rollout -q``.
 """
@@ -43,6 +46,17 @@ class ScriptedCall:
     session_ids: tuple[Hashable, ...] | None
 
 
+_PREFILLS = ("<think>", "<answer>")
+
+
+def _continuation(text: str, prompt_tail: str) -> str:
+    """``text`` without the prefilled tag that ``prompt_tail`` (the decoded end of the prompt) ends with."""
+    for tag in _PREFILLS:
+        if prompt_tail.endswith(tag) and text.startswith(tag):
+            return text[len(tag):]
+    return text
+
+
 @dataclass
 class ScriptedGenerator:
     """Replies with ``script(call_index, row_index, prompt_ids)`` (or one fixed text)."""
@@ -61,6 +75,7 @@ class ScriptedGenerator:
 
     def _reply(self, call: int, row: int, prompt: Sequence[int], params: SamplingParams) -> Generation:
         text = self.script if isinstance(self.script, str) else self.script(call, row, prompt)
+        text = _continuation(text, self.tokenizer.decode(list(prompt[-8:])))
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         ids += list(params.stop_token_ids[:1])
         finish = FINISH_STOP if params.stop_token_ids else FINISH_LENGTH

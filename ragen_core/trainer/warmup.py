@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from ragen_core.rollout.generators.base import FINISH_STOP, STAT_KEYS, Generation, SamplingParams
 from ragen_core.rollout.parse import ACTION_SEP
+from ragen_core.rollout.prompts import reply_prefill
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -173,11 +174,13 @@ class RandomFormatGenerator:
             most = 1
         actions = shadow.play(int(self.rng.integers(1, most + 1)), self.rng, cfg.max_actions_per_episode)
         stop = list(params.stop_token_ids[:1])
+        prefill = reply_prefill(cfg.think, cfg.prefill)
         order = [int(self.rng.integers(len(GENERIC_THOUGHTS)))]
         order += sorted(range(len(GENERIC_THOUGHTS)), key=lambda k: len(GENERIC_THOUGHTS[k]))
         for k in order:  # the drawn thought, else the shortest ones that fit
             text = format_reply(GENERIC_THOUGHTS[k], actions, cfg.think)
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + stop
+            sampled = text[len(prefill):] if text.startswith(prefill) else text  # the context ends with the prefill
+            ids = list(self.tokenizer(sampled, add_special_tokens=False)["input_ids"]) + stop
             if len(ids) <= params.max_new_tokens:
                 self.replies.append(text)
                 return Generation(token_ids=tuple(int(i) for i in ids), logprobs=(0.0,) * len(ids),

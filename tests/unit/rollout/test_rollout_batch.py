@@ -44,13 +44,21 @@ def check_masks(batch: TokenBatch, trajs: list[Trajectory], tok: PreTrainedToken
     assert mask_problems(batch, trajs, tok) == []
     # scripted replies are real text, so more can be said: the masked text of a turn is the reply
     # text plus the template's end-of-turn token when it was sampled, and no env text is masked
+    # (the prefilled tag that starts response_text is prompt context: it stands unmasked just before the reply)
     eot = ChatRenderer(tok, RolloutConfig().system_prompt).end_of_turn_text
     for b, t in enumerate(trajs):
         mask, tids = batch.loss_mask[b], batch.turn_ids[b]
+        prefill = t.meta["prefill"]
         for k in range(t.dropped_turns, len(t.turns)):
             turn = t.turns[k]
+            assert turn.response_text.startswith(prefill)
+            sampled = turn.response_text[len(prefill):]
             text = tok.decode(batch.input_ids[b][mask & (tids == k)].tolist())
-            assert text == (turn.response_text + eot if turn.finish_reason == "stop" else turn.response_text)
+            assert text == (sampled + eot if turn.finish_reason == "stop" else sampled)
+            first = int((mask & (tids == k)).nonzero()[0]) if sampled or turn.finish_reason == "stop" else None
+            if first is not None and prefill:
+                before = tok.decode(batch.input_ids[b][:first].tolist())
+                assert before.endswith(prefill) and not mask[first - 1]
         masked = tok.decode(batch.input_ids[b][mask].tolist())
         assert "State:" not in masked and "Reward:" not in masked and "<|im_start|>" not in masked
 
@@ -61,6 +69,28 @@ def test_masks_ids_and_env_text(tok: PreTrainedTokenizerBase) -> None:
     assert {turn.finish_reason for t in trajs for turn in t.turns} == {"stop", "length"}
     batch = build_token_batch(trajs, tok, cfg)
     check_masks(batch, trajs, tok)
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_prefilled_tag_is_context_not_trained(tok: PreTrainedTokenizerBase, think: bool) -> None:
+    # SPEC §3 / issue 12 item 4: every generation prompt ends with <think> (<answer> in NoThink), the
+    # reply continues from it, the parser sees tag + reply, and the loss mask leaves the tag out.
+    tag = "<think>" if think else "<answer>"
+    reply = "<think>push</think><answer>Up</answer>" if think else "<answer>Up</answer>"
+    cfg = RolloutConfig(think=think, max_turns=2)
+    gen = ScriptedGenerator(tok, reply)
+    trajs = run_rollouts(SOKOBAN, gen, tok, cfg, seeds=[3], n_per_group=1)
+    for call in gen.calls:  # every context the model saw ends with the tag
+        assert tok.decode(list(call.prompts[0])).endswith(tag)
+    (t,) = trajs
+    assert t.meta["prefill"] == tag and all(turn.parse_ok for turn in t.turns)
+    assert all(not tok.decode(list(turn.response_ids)).startswith(tag) for turn in t.turns)
+    batch = build_token_batch(trajs, tok, cfg)
+    check_masks(batch, trajs, tok)
+    # off: the model opens the tag itself, and it is trained
+    off = run_rollouts(SOKOBAN, ScriptedGenerator(tok, reply), tok, dataclasses.replace(cfg, prefill=False),
+                       seeds=[3], n_per_group=1)
+    assert off[0].meta["prefill"] == "" and tok.decode(list(off[0].turns[0].response_ids)).startswith(tag)
 
 
 def test_row_is_the_templates_rendering_of_the_dialogue(tok: PreTrainedTokenizerBase) -> None:

@@ -109,7 +109,8 @@ def test_masked_tokens_are_exactly_the_replies(tok: PreTrainedTokenizerBase, ove
     for b, t in enumerate(trajs):
         for k, turn in enumerate(t.turns):
             sel = batch.loss_mask[b] & (batch.turn_ids[b] == k)
-            assert tok.decode(batch.input_ids[b][sel].tolist()) == turn.response_text + "<|im_end|>"
+            sampled = turn.response_text[len(t.meta["prefill"]):]  # the prefilled tag is context
+            assert tok.decode(batch.input_ids[b][sel].tolist()) == sampled + "<|im_end|>"
 
 
 @pytest.mark.parametrize("env_name", ["Sokoban", "FrozenLake", "Bandit", "Countdown"])
@@ -153,8 +154,9 @@ def test_generic_thoughts_name_no_action_of_any_env() -> None:
 
 
 def test_short_reply_budget_picks_a_thought_that_fits_or_says_why(tok: PreTrainedTokenizerBase) -> None:
-    def n_ids(thought: str) -> int:  # the longer of the two arms' replies, + 1 for the stop token
-        return 1 + max(len(tok(W.format_reply(thought, [arm], True), add_special_tokens=False)["input_ids"])
+    def n_ids(thought: str) -> int:  # the longer of the two arms' replies after the <think> prefill, + 1 for the stop
+        return 1 + max(len(tok(W.format_reply(thought, [arm], True)[len("<think>"):],
+                               add_special_tokens=False)["input_ids"])
                        for arm in ("Phoenix", "Dragon"))
 
     budget = min(n_ids(th) for th in W.GENERIC_THOUGHTS)
