@@ -92,15 +92,22 @@ def _register_builtins() -> None:
     register("BanditTest", "ragen_core.envs.bandit:BanditEnv",
              "held-out bandit names: Trader (low risk) vs Librarian (high risk)",
              low_risk_name="Trader", high_risk_name="Librarian")
+    # Sokoban levels as the reference makes them (RAGEN config/envs.yaml over
+    # ragen/env/sokoban/config.py): search depth 300 (the default), 10 for LargerSokoban; the
+    # carving walk takes gym-sokoban's int(1.7 * (height + width)) steps. The reference gives its
+    # SokobanDifferentGridVocab depth 30; we keep 300 so that NewVocab shows exactly the Sokoban
+    # level of each seed in other symbols (SPEC §2). Depth 30 changes ~3% of 6x6 levels and not
+    # their difficulty; make("SokobanNewVocab", search_depth=30) gives the reference's.
     register("Sokoban", "ragen_core.envs.sokoban:SokobanEnv",
              "Sokoban 6x6 with 1 box, levels by reverse play (always solvable)",
-             height=6, width=6, n_boxes=1)
+             height=6, width=6, n_boxes=1, generator="reference", search_depth=300, room_steps=20)
     register("LargerSokoban", "ragen_core.envs.sokoban:SokobanEnv",
              "Sokoban 8x8 with 2 boxes",
-             height=8, width=8, n_boxes=2)
+             height=8, width=8, n_boxes=2, generator="reference", search_depth=10, room_steps=27)
     register("SokobanNewVocab", "ragen_core.envs.sokoban:SokobanEnv",
              "Sokoban 6x6, 1 box, drawn with other symbols (W . G C B A @)",
-             height=6, width=6, n_boxes=1, symbols="W.GCBA@")
+             height=6, width=6, n_boxes=1, symbols="W.GCBA@", generator="reference", search_depth=300,
+             room_steps=20)
     register("FrozenLake", "ragen_core.envs.frozen_lake:FrozenLakeEnv",
              "4x4 slippery FrozenLake, new random map per seed, goal always reachable",
              size=4, p_frozen=0.8, slippery=True)

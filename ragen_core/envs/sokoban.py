@@ -1,15 +1,37 @@
 """Sokoban with levels made by reverse play, so every level is solvable (SPEC §2; RAGEN paper §4).
 
-Level generation (seeded by the layout generator):
-1. carve a room: a random walk inside the border walls marks floor cells;
-2. put ``n_boxes`` boxes on random target cells: a *solved* state;
-3. play backwards, exhaustively: a breadth-first search over reverse moves (the player steps
-   to a free cell and may *pull* the box it walks away from) from every solved state. Each
-   reverse move undoes one legal forward move (a pull undoes a push), so every state found is
-   solvable, and its BFS depth is the length of its shortest solution;
-4. pick a difficulty uniformly among the solution lengths in ``[min_moves, max_moves]`` that
-   the room offers (default 2..10, so a level fits SPEC's 10-action budget), then a state of
-   that difficulty. ``reset`` reports it as ``info["min_moves"]``.
+Two level generators, picked with ``generator=``; both are seeded by the layout generator.
+
+``"reference"`` (default) reproduces how the reference (gym-sokoban's generator as RAGEN uses it)
+makes levels, and therefore its difficulty:
+
+1. carve a room: a walk of ``room_steps`` steps inside the border (it turns with probability
+   0.35 per step) stamps one of five small floor patterns (a 1x3 or 3x1 bar, two L shapes, a 2x2
+   square) around each cell it visits. The reference uses ``int(1.7 * (height + width))``
+   steps: 20 on 6x6, 27 on 8x8;
+2. put the player, then ``n_boxes`` targets, on random floor cells, with a box on each target;
+3. reverse play: a depth-first search over reverse moves (the player steps up, down, left or
+   right onto a free cell and pulls the box behind it, if any). A path longer than
+   ``search_depth - 2`` moves is cut, and a state is expanded only the first time the search
+   meets it. The search keeps the first state with the highest score
+   ``box_swaps * displacement``: ``box_swaps`` counts how often the pulled box changed along
+   the path (the first pull counts), ``displacement`` sums each box's Manhattan distance from
+   its own target. A state scores 0 unless every target is clear of boxes and of the player,
+   so a level is never already solved. A room whose best score is 0 is thrown away;
+4. move the player a little: with probability 0.8 when the displacement is 1, else 0.5, take up
+   to 3 random steps without pushing or revisiting a cell (after each step, go on with
+   probability 0.5), so the player does not always start next to a box.
+
+Each reverse move undoes a legal forward move (a pull undoes a push), and the final walk can be
+walked back, so every level is solvable. The shortest solution is then found by a forward BFS
+(up to ``MIN_MOVES_CAP`` moves, else ``None``) and reported as ``info["min_moves"]`` on reset.
+Given ``min_moves`` / ``max_moves``, levels whose shortest solution lies outside that band are
+drawn again (off by default, as in the reference).
+
+``"uniform"`` is an exhaustive breadth-first reverse search from every solved state of a carved
+room; it picks a solution length uniformly among those in ``[min_moves, max_moves]`` (default
+2..10) that the room offers, then a state of that length. It makes a flatter difficulty
+distribution than the reference (LargerSokoban is about 3x easier for a random policy).
 
 Forward rules are exact: moving into a box pushes it one cell if the cell beyond is floor
 without a box; no pulling, no pushing two boxes, no pushing into a wall. Rewards per action
@@ -27,7 +49,8 @@ env's symbols (used by tests).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +58,11 @@ import numpy as np
 
 from ragen_core.envs.base import StepOutcome, TextEnv
 
-__all__ = ["DEFAULT_SYMBOLS", "NEW_VOCAB_SYMBOLS", "SokobanEnv", "SokobanLevel", "generate_level", "parse_level"]
+__all__ = [
+    "DEFAULT_SYMBOLS", "LEVEL_GENERATORS", "MIN_MOVES_CAP", "NEW_VOCAB_SYMBOLS", "SokobanEnv", "SokobanLevel",
+    "generate_level", "generate_reference_level", "generate_uniform_level", "parse_level", "reference_room_steps",
+    "shortest_solution_length",
+]
 
 Pos = tuple[int, int]
 
@@ -68,8 +95,9 @@ def _sub(p: Pos, d: Pos) -> Pos:
     return (p[0] - d[0], p[1] - d[1])
 
 
+# ---------------------------------------------------------------------------- "uniform"
 def _carve_room(rng: np.random.Generator, height: int, width: int, n_steps: int) -> frozenset[Pos]:
-    """Random-walk floor carving inside the border (the idea of gym-sokoban's topology step)."""
+    """Random-walk floor carving inside the border (the ``"uniform"`` generator's simpler walk)."""
     lo_r, hi_r, lo_c, hi_c = 1, height - 2, 1, width - 2
     pos = (int(rng.integers(lo_r, hi_r + 1)), int(rng.integers(lo_c, hi_c + 1)))
     d = _DIRS[int(rng.integers(4))]
@@ -117,11 +145,12 @@ def _reverse_bfs(floor: frozenset[Pos], targets: frozenset[Pos], max_depth: int)
     return depth
 
 
-def generate_level(
+def generate_uniform_level(
     rng: np.random.Generator, height: int = 6, width: int = 6, n_boxes: int = 1,
     min_moves: int = 2, max_moves: int = 10, max_tries: int = 1000,
 ) -> SokobanLevel:
-    """A level whose shortest solution takes ``min_moves``..``max_moves`` actions (module docstring)."""
+    """A level whose shortest solution takes ``min_moves``..``max_moves`` actions, the length drawn
+    uniformly among those the room offers (module docstring, ``"uniform"``)."""
     inner = (height - 2) * (width - 2)
     if inner < n_boxes + 2:
         raise ValueError(f"a {height}x{width} room cannot hold {n_boxes} boxes")
@@ -147,6 +176,200 @@ def generate_level(
             player, boxes = by_depth[k][int(rng.integers(len(by_depth[k])))]
             return SokobanLevel(height, width, floor, targets, boxes, player, min_moves=k)
     raise RuntimeError(f"no {height}x{width} level with {n_boxes} boxes after {max_tries} tries")
+
+
+# ---------------------------------------------------------------------------- "reference"
+# Floor patterns stamped around each cell of the carving walk, as offsets from that cell: a
+# horizontal bar, a vertical bar, two L shapes and a 2x2 square (gym-sokoban's five masks).
+_STAMPS: tuple[tuple[Pos, ...], ...] = (
+    ((0, -1), (0, 0), (0, 1)),
+    ((-1, 0), (0, 0), (1, 0)),
+    ((0, -1), (0, 0), (1, 0)),
+    ((0, -1), (0, 0), (1, -1), (1, 0)),
+    ((0, 0), (0, 1), (1, 0)),
+)
+_P_TURN = 0.35
+"""Probability that the carving walk picks a new (uniformly random) direction before a step."""
+_MAX_SEARCH_STATES = 300_000
+"""The reference stops the reverse search after this many distinct states."""
+_WANDER_STEPS, _P_WANDER_ON = 3, 0.5
+"""The final player walk: at most 3 steps, going on after each with probability 0.5."""
+MIN_MOVES_CAP = 30
+"""Longest shortest solution the forward BFS looks for; ``info["min_moves"]`` is None beyond it."""
+
+
+def reference_room_steps(height: int, width: int) -> int:
+    """The reference's carving-walk length for a room (gym-sokoban: ``int(1.7 * (height + width))``)."""
+    return int(1.7 * (height + width))
+
+
+def _carve_stamped_room(rng: np.random.Generator, height: int, width: int, n_steps: int) -> frozenset[Pos]:
+    """Floor cells of a room carved by a turning walk that stamps a random pattern at each step."""
+    d = _DIRS[int(rng.integers(4))]
+    # The start may lie on the far border row/column; the first step's clamp brings it inside.
+    r, c = int(rng.integers(1, height)), int(rng.integers(1, width))
+    floor: set[Pos] = set()
+    for _ in range(n_steps):
+        if rng.random() < _P_TURN:
+            d = _DIRS[int(rng.integers(4))]
+        r, c = min(max(r + d[0], 1), height - 2), min(max(c + d[1], 1), width - 2)
+        for dr, dc in _STAMPS[int(rng.integers(len(_STAMPS)))]:
+            if 1 <= r + dr <= height - 2 and 1 <= c + dc <= width - 2:  # the border stays wall
+                floor.add((r + dr, c + dc))
+    return frozenset(floor)
+
+
+def _reverse_search(
+    floor: frozenset[Pos], targets: tuple[Pos, ...], player: Pos, search_depth: int,
+) -> tuple[Pos, tuple[Pos, ...], int]:
+    """The reference's depth-first reverse play from the solved state (module docstring, step 3).
+
+    Returns the best state's player, its boxes (``boxes[i]`` started on ``targets[i]``) and its
+    score; score 0 means no state beat the start. An explicit stack replaces the recursion and
+    visits states in the same order: children pushed in reverse, so "up" is expanded first.
+    """
+    target_set = frozenset(targets)
+    max_len = search_depth - 2  # the reference's time-to-live runs out at search_depth - 1 moves
+    best: tuple[Pos, tuple[Pos, ...], int] = (player, targets, 0)
+    explored: set[tuple[Pos, frozenset[tuple[Pos, bool]]]] = set()
+    # (player, boxes, pulled at least once, box_swaps, index of the last pulled box, path length)
+    stack = [(player, targets, (False,) * len(targets), 0, -1, 0)]
+    while stack:
+        p, boxes, pulled, swaps, last, length = stack.pop()
+        if length > max_len or len(explored) >= _MAX_SEARCH_STATES:
+            continue
+        # The reference's state identity: player and box cells, and which boxes were ever pulled
+        # (box identities are not part of it, so the first path to a state decides its score).
+        key = (p, frozenset(zip(boxes, pulled)))
+        if key in explored:
+            continue
+        explored.add(key)
+        if swaps and p not in target_set and target_set.isdisjoint(boxes):
+            displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+            if swaps * displacement > best[2]:
+                best = (p, boxes, swaps * displacement)
+        children = []
+        for d in _DIRS:
+            nxt = _add(p, d)
+            if nxt not in floor or nxt in boxes:
+                continue
+            behind = _sub(p, d)
+            if behind in boxes:  # pull: the box follows the player into its old cell
+                i = boxes.index(behind)
+                children.append((nxt, (*boxes[:i], p, *boxes[i + 1:]), (*pulled[:i], True, *pulled[i + 1:]),
+                                 swaps + (i != last), i, length + 1))
+            else:
+                children.append((nxt, boxes, pulled, swaps, last, length + 1))
+        stack.extend(reversed(children))
+    return best
+
+
+def _wander(rng: np.random.Generator, floor: frozenset[Pos], boxes: frozenset[Pos], player: Pos,
+            p_move: float) -> Pos:
+    """The reference's final player walk: with probability ``p_move``, up to 3 steps onto free,
+    not yet visited cells (no pushing), going on after each step with probability 0.5."""
+    if rng.random() > p_move:
+        return player
+    visited = [player]
+    for step in range(1, _WANDER_STEPS + 1):
+        options = [q for q in (_add(player, d) for d in _DIRS)
+                   if q in floor and q not in boxes and q not in visited]
+        if not options:
+            break
+        player = options[int(rng.integers(len(options)))]
+        visited.append(player)
+        if step >= _WANDER_STEPS or rng.random() > _P_WANDER_ON:
+            break
+    return player
+
+
+def shortest_solution_length(level: SokobanLevel, cap: int = MIN_MOVES_CAP) -> int | None:
+    """Fewest actions that put every box on a target (forward BFS), or None if more than ``cap``."""
+    if level.boxes <= level.targets:
+        return 0
+    floor, targets = level.floor, level.targets
+    seen = {(level.player, level.boxes)}
+    frontier = [(level.player, level.boxes)]
+    for k in range(1, cap + 1):
+        nxt_frontier = []
+        for player, boxes in frontier:
+            for d in _DIRS:
+                nxt = _add(player, d)
+                if nxt not in floor:
+                    continue
+                new_boxes = boxes
+                if nxt in boxes:
+                    beyond = _add(nxt, d)
+                    if beyond not in floor or beyond in boxes:
+                        continue
+                    new_boxes = (boxes - {nxt}) | {beyond}
+                    if new_boxes <= targets:
+                        return k
+                state = (nxt, new_boxes)
+                if state not in seen:
+                    seen.add(state)
+                    nxt_frontier.append(state)
+        if not nxt_frontier:
+            return None
+        frontier = nxt_frontier
+    return None
+
+
+def generate_reference_level(
+    rng: np.random.Generator, height: int = 6, width: int = 6, n_boxes: int = 1,
+    search_depth: int = 300, room_steps: int | None = None,
+    min_moves: int | None = None, max_moves: int | None = None, max_tries: int = 1000,
+) -> SokobanLevel:
+    """A level made the reference's way (module docstring, ``"reference"``).
+
+    ``room_steps`` defaults to the reference's ``int(1.7 * (height + width))``. ``min_moves`` /
+    ``max_moves`` (optional) redraw levels whose shortest solution falls outside the band.
+    """
+    if (height - 2) * (width - 2) < n_boxes + 2:
+        raise ValueError(f"a {height}x{width} room cannot hold {n_boxes} boxes")
+    if search_depth < 3:
+        raise ValueError(f"search_depth must be >= 3 (a pull needs a path of one move), got {search_depth}")
+    if min_moves is not None and max_moves is not None and not 1 <= min_moves <= max_moves:
+        raise ValueError(f"need 1 <= min_moves <= max_moves, got {min_moves}, {max_moves}")
+    steps = reference_room_steps(height, width) if room_steps is None else room_steps
+    if steps < 1:
+        raise ValueError(f"room_steps must be >= 1, got {steps}")
+    cap = max(MIN_MOVES_CAP, max_moves or 0)
+    for _ in range(max_tries):
+        floor = _carve_stamped_room(rng, height, width, steps)
+        cells = sorted(floor)  # row-major, as the reference lists free cells
+        if len(cells) <= n_boxes + 1:
+            continue
+        player = cells.pop(int(rng.integers(len(cells))))
+        targets = tuple(cells.pop(int(rng.integers(len(cells)))) for _ in range(n_boxes))
+        player, boxes, score = _reverse_search(floor, targets, player, search_depth)
+        if score == 0:  # no pull got every box off the targets: the reference tries another room
+            continue
+        displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+        box_set = frozenset(boxes)
+        player = _wander(rng, floor, box_set, player, p_move=0.8 if displacement == 1 else 0.5)
+        level = SokobanLevel(height, width, floor, frozenset(targets), box_set, player)
+        k = shortest_solution_length(level, cap)
+        if (min_moves is not None and (k is None or k < min_moves)) or (
+                max_moves is not None and (k is None or k > max_moves)):
+            continue
+        return dataclasses.replace(level, min_moves=k)
+    raise RuntimeError(f"no {height}x{width} level with {n_boxes} boxes after {max_tries} tries")
+
+
+LEVEL_GENERATORS: dict[str, Callable[..., SokobanLevel]] = {
+    "reference": generate_reference_level,
+    "uniform": generate_uniform_level,
+}
+"""Level generators by name (the env's ``generator=``); module docstring."""
+
+
+def generate_level(rng: np.random.Generator, height: int = 6, width: int = 6, n_boxes: int = 1, *,
+                   generator: str = "reference", **params: Any) -> SokobanLevel:
+    """A level from the generator named ``generator`` with its own ``params``."""
+    if generator not in LEVEL_GENERATORS:
+        raise ValueError(f"unknown generator {generator!r}; choose from {sorted(LEVEL_GENERATORS)}")
+    return LEVEL_GENERATORS[generator](rng, height, width, n_boxes, **params)
 
 
 def parse_level(text: str | Sequence[str], symbols: str = DEFAULT_SYMBOLS) -> SokobanLevel:
@@ -184,8 +407,11 @@ class SokobanEnv(TextEnv):
         height: int = 6,
         width: int = 6,
         n_boxes: int = 1,
-        min_moves: int = 2,
-        max_moves: int = 10,
+        generator: str = "reference",
+        search_depth: int = 300,
+        room_steps: int | None = None,
+        min_moves: int | None = None,
+        max_moves: int | None = None,
         symbols: str | Sequence[str] = DEFAULT_SYMBOLS,
         max_steps: int | None = 10,
         step_reward: float = -0.1,
@@ -200,7 +426,20 @@ class SokobanEnv(TextEnv):
         if height < 3 or width < 3 or n_boxes < 1:
             raise ValueError("need height, width >= 3 and n_boxes >= 1")
         self.height, self.width, self.n_boxes = height, width, n_boxes
+        self.generator, self.search_depth = generator, search_depth
+        self.room_steps = reference_room_steps(height, width) if room_steps is None else room_steps
         self.min_moves, self.max_moves = min_moves, max_moves
+        # Each generator gets its own parameters; "uniform" needs a band (default 2..10), for
+        # "reference" the band is an optional filter (module docstring).
+        if generator == "reference":
+            self._generator_params: dict[str, Any] = {
+                "search_depth": search_depth, "room_steps": self.room_steps,
+                "min_moves": min_moves, "max_moves": max_moves}
+        elif generator == "uniform":
+            self._generator_params = {"min_moves": 2 if min_moves is None else min_moves,
+                                      "max_moves": 10 if max_moves is None else max_moves}
+        else:
+            raise ValueError(f"unknown generator {generator!r}; choose from {sorted(LEVEL_GENERATORS)}")
         self.symbols = symbols
         self.step_reward, self.box_on_reward = float(step_reward), float(box_on_reward)
         self.box_off_reward, self.solved_reward = float(box_off_reward), float(solved_reward)
@@ -229,7 +468,8 @@ class SokobanEnv(TextEnv):
         if "level" in options:
             level = parse_level(options["level"], self.symbols)
         else:
-            level = generate_level(rng, self.height, self.width, self.n_boxes, self.min_moves, self.max_moves)
+            level = generate_level(rng, self.height, self.width, self.n_boxes, generator=self.generator,
+                                   **self._generator_params)
         self._level, self._boxes, self._player = level, level.boxes, level.player
         return {"boxes_on_target": len(level.boxes & level.targets), "n_boxes": len(level.boxes),
                 "min_moves": level.min_moves}

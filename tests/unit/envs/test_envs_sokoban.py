@@ -174,9 +174,9 @@ def test_every_generated_level_is_solvable(name: str, seed: int) -> None:
     assert level.boxes != level.targets  # never already solved
     solution = bfs_solve(level)
     assert solution is not None
-    # the generator's reverse-BFS depth is the true shortest solution length, within the band
-    assert len(solution) == info["min_moves"]
-    assert env.min_moves <= len(solution) <= env.max_moves
+    # info["min_moves"] is the true shortest solution length (the default reference generator has
+    # no band; the band of the "uniform" one is checked in test_sokoban_reference.py)
+    assert len(solution) == info["min_moves"] >= 1
     total = 0.0
     for k, a in enumerate(solution):
         _obs, reward, terminated, _, info = env.step(a)
