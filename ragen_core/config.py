@@ -75,7 +75,10 @@ class ModelConfig:
     name: str = F("smollm2-135m-instruct", "model spec: 'smollm2-135m-instruct', 'tiny-random[:SEED]', a HF id or a local dir")
     dtype: Literal["float32", "bfloat16", "float16"] = F("float32", "parameter dtype (only float32 is fast on CPUs without AVX512/AMX)")
     device: Literal["auto", "cpu", "cuda"] = F("auto", "where the actor and critic live; auto picks cuda when available")
-    warmup: bool = F(False, "start from the format-warmed copy of the model (ragen model warmup), made once and cached")
+    warmup: Literal["none", "self_distill"] = F(
+        "none", "format warm-up the run starts from (ragen model warmup; made once and cached): none, or "
+                "self_distill (the model's own sampled thoughts put in the format). The old boolean is gone: "
+                "true meant canned thoughts, which collapsed reasoning")
     warmup_steps: int = F(60, "supervised steps of the format warm-up", ge=1)
     warmup_lr: float = F(1e-4, "AdamW learning rate of the format warm-up (full fine-tuning)", gt=0.0)
     lora_rank: int = F(0, "LoRA rank; 0 means full fine-tuning (reference LoRA: 64)", ge=0)
@@ -127,7 +130,12 @@ class RolloutConfig:
                             "as the reference does; False lets the model open the tag itself")
     format_penalty: float = F(-0.1, "added to a turn's reward when its reply does not parse or names no/unknown actions", le=0.0)
     format_reward: float = F(0.0, "optional partial credit added for a reply that parses (0 disables)", ge=0.0)
-    reward_placement: Literal["last", "turn"] = F("last", "trajectory reward on the last generated token, or each turn's on that turn's last token")
+    reward_placement: Literal["auto", "last", "turn"] = F(
+        "auto", "trajectory reward on the last generated token, or each turn's on that turn's last token; "
+                "auto: per turn under algorithm.estimator=bilevel_gae (the reference's), else last")
+    group_dynamics: Literal["shared", "independent"] = F(
+        "shared", "shared: the N members of a group reset with the same seed and share the env's random draws "
+                  "(bandit payouts, ice slips), as the reference; independent: each member draws its own")
     window_turns: int | None = F(None, "keep only the last k turns in the prompt; None keeps all", ge=1)
     max_context_tokens: int | None = F(None, "context cap for rollouts; None uses the model's limit", ge=16)
     backend: Literal["hf", "vllm"] = F("hf", "generation backend")
@@ -145,8 +153,9 @@ class AlgorithmConfig:
     estimator: Literal["gae", "grpo", "bilevel_gae"] = F("gae", "advantage estimator")
     gamma: float = F(1.0, "token-level discount (reference 1.0)", ge=0.0, le=1.0)
     lam: float = F(1.0, "token-level GAE lambda (reference 1.0)", ge=0.0, le=1.0)
-    turn_gamma: float = F(1.0, "turn-level discount of the bi-level GAE", ge=0.0, le=1.0)
-    turn_lam: float = F(1.0, "turn-level lambda of the bi-level GAE", ge=0.0, le=1.0)
+    turn_gamma: float = F(0.95, "turn-level discount of the bi-level GAE (reference 0.95)", ge=0.0, le=1.0)
+    turn_lam: float | None = F(None, "turn-level lambda of the bi-level GAE; None reuses lam (the reference's)",
+                               ge=0.0, le=1.0)
     whiten_advantages: bool = F(True, "whiten advantages over the loss mask (PPO)")
     clip_low: float = F(0.2, "epsilon_low of ratio clipping", gt=0.0, lt=1.0)
     clip_high: float = F(0.2, "epsilon_high of ratio clipping (0.28 = clip-higher)", gt=0.0)
@@ -155,12 +164,22 @@ class AlgorithmConfig:
     kl_coef: float = F(0.001, "KL-to-reference coefficient; 0 disables the reference model entirely", ge=0.0)
     kl_estimator: Literal["k1", "k3"] = F("k1", "KL estimator")
     kl_in_reward: bool = F(False, "put the KL penalty in the reward instead of the loss")
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = F("token-mean", "policy loss aggregation")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = F(
+        "seq-mean-token-mean", "aggregation of the policy, entropy and value losses: seq-mean-token-mean is the "
+                               "paper's objective (mean over a trajectory's tokens, then over trajectories)")
     value_clip: float = F(0.5, "clip range of the value loss", gt=0.0)
     value_coef: float = F(0.5, "weight of the value loss when the critic is a head on the actor (one shared backward)", ge=0.0)
     critic: Literal["separate", "head", "none"] = F("separate", "critic: a separate model, a value head on the actor, or none (GRPO)")
     filter_mode: Literal["std", "std_rev", "none"] = F("none", "uncertainty filter: keep highest-std groups, lowest, or all")
     keep_ratio: float = F(1.0, "fraction of prompt groups kept by the filter (StarPO-S: 0.25)", gt=0.0, le=1.0)
+    filter_on: Literal["return", "total"] = F(
+        "return", "what the filter's in-group std is taken of: return = raw env return (penalties excluded); "
+                  "total = env return + format penalties, group-normalised under grpo (the reference's)")
+
+    @property
+    def turn_lambda(self) -> float:
+        """The bi-level GAE's turn-level lambda: ``turn_lam``, else ``lam`` (SPEC §4)."""
+        return self.lam if self.turn_lam is None else self.turn_lam
 
     @property
     def uses_reference(self) -> bool:
@@ -179,7 +198,10 @@ class TrainerConfig:
     weight_decay: float = F(0.01, "AdamW weight decay", ge=0.0)
     betas: tuple[float, float] = F((0.9, 0.999), "AdamW betas")
     grad_clip: float = F(1.0, "max global gradient norm", gt=0.0)
-    online_k: int = F(1, "Online-k: optimizer steps per fresh rollout batch; P is scaled by k (SPEC §5)", ge=1)
+    online_k: int = F(1, "Online-k: one rollout of k·P groups feeds k mini-batches (P is scaled by k, SPEC §5)", ge=1)
+    mini_batch_rows: int | None = F(32, "trajectories per PPO mini-batch, one optimizer step each (reference 32: "
+                                        "vanilla 8x16 takes 4 steps, StarPO-S 1); None: online_k equal mini-batches",
+                                    ge=1)
     ppo_epochs: int = F(1, "passes over each mini-batch", ge=1)
     micro_batch_size: int = F(4, "trajectories per forward/backward (token-mean stays exact)", ge=1)
     logprob_chunk: int = F(128, "sequence chunk for log-prob/entropy to bound logits memory", ge=1)
@@ -267,6 +289,14 @@ class ExperimentConfig:
             return "grpo"
         starpo_s = self.algorithm.filter_mode != "none" and self.algorithm.kl_coef == 0.0
         return "starpo-s" if starpo_s else "starpo"
+
+    @property
+    def reward_placement(self) -> str:
+        """last | turn: ``rollout.reward_placement``, with auto resolved by the estimator (SPEC §4)."""
+        placement = self.rollout.reward_placement
+        if placement == "auto":
+            return "turn" if self.algorithm.estimator == "bilevel_gae" else "last"
+        return placement
 
     @property
     def prompts_per_rollout(self) -> int:

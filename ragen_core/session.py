@@ -118,12 +118,16 @@ def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, Pat
 
 
 def base_model_spec(cfg: ExperimentConfig, say: Callable[[str], None] = print) -> str:
-    """The model a run starts from: the configured one, or its cached format-warmed copy."""
-    if not cfg.model.warmup:
+    """The model a run starts from: the configured one, or its cached format-warmed copy (one line says which)."""
+    if cfg.model.warmup == "none":
         return cfg.model.name
-    from ragen_core.trainer.warmup import warmup_model
+    from ragen_core.trainer.warmup import warmup_facts, warmup_model
 
-    return str(warmup_model(cfg, progress=say))
+    path = warmup_model(cfg, progress=say)
+    facts = warmup_facts(path)
+    say(f"starting from the {facts.get('method')} format warm-up of {cfg.model.name} ({facts.get('steps')} steps, "
+        f"format validity {facts.get('validity_before')} -> {facts.get('validity_after')}): {path}")
+    return str(path)
 
 
 def open_session(
@@ -143,6 +147,10 @@ def open_session(
     run_dir = run_dir or data_dir() / "runs" / new_run_name(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_spec = base_model_spec(cfg, say)
+    if model_spec != cfg.model.name:  # the warm-up's facts (method, steps, validity before -> after) as params
+        from ragen_core.trainer.warmup import warmup_facts
+
+        logger.log_params({f"warmup.{k}": v for k, v in warmup_facts(Path(model_spec)).items()})
     # A warmed copy is passed as the starting weights, so checkpoints keep the configured model name.
     base = load_model(model_spec) if model_spec != cfg.model.name else None
     ckpt = latest_checkpoint(run_dir)
@@ -215,7 +223,8 @@ def select_groups(sess: Session, rollouts: RolloutBatch) -> Selection:
     from ragen_core.trainer import filter_batch
 
     trajs = rollouts.trajectories
-    full = build_token_batch(trajs, sess.tokenizer, sess.cfg.rollout, sess.model_max_length)
+    full = build_token_batch(trajs, sess.tokenizer, sess.cfg.rollout, sess.model_max_length,
+                             reward_placement=sess.cfg.reward_placement)
     result = filter_batch(full, trajs, sess.cfg.algorithm)
     rows = result.rows.tolist()
     kept = [False] * len(trajs)

@@ -27,6 +27,7 @@ class BanditEnv(TextEnv):
     """Two named arms, one pull (SPEC §2 table, row Bandit)."""
 
     name = "Bandit"
+    budget_from_rollout = False  # one action by the rules of the game
 
     def __init__(
         self,

@@ -81,6 +81,10 @@ class TextEnv(gym.Env[str, str]):
     them against ``action_names``; it passes the text and lets the env judge it."""
     reward_range: tuple[float, float] = (0.0, 1.0)
     """Declared per-step reward bounds (lo, hi)."""
+    budget_from_rollout: ClassVar[bool] = True
+    """The env's step limit ``max_steps`` follows the rollout's ``max_actions_per_episode`` unless the env's
+    params set it (SPEC §5: the Table 3 study's 5×k budget); False for one-action games (Bandit, Countdown),
+    whose single step is a rule of the game."""
 
     def __init__(self, *, max_steps: int | None = None) -> None:
         if max_steps is not None and max_steps < 1:

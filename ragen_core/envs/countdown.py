@@ -211,6 +211,7 @@ class CountdownEnv(TextEnv):
 
     name = "Countdown"
     free_form_actions = True
+    budget_from_rollout = False  # one action by the rules of the game
 
     def __init__(self, *, min_numbers: int = 3, max_numbers: int = 4, max_number: int = 100,
                  max_target: int = 100, max_steps: int | None = 1) -> None:

@@ -115,8 +115,15 @@ def build_token_batch(
     max_length: int | None = None,
     *,
     renderer: ChatRenderer | None = None,
+    reward_placement: str | None = None,
 ) -> TokenBatch:
-    """One row per trajectory, right-padded to the longest row (module docstring)."""
+    """One row per trajectory, right-padded to the longest row (module docstring).
+
+    ``reward_placement`` (last | turn) overrides ``rollout_cfg.reward_placement``; pass
+    ``ExperimentConfig.reward_placement``, which resolves "auto" by the estimator (auto alone means last).
+    """
+    placement = reward_placement or rollout_cfg.reward_placement
+    placement = "last" if placement == "auto" else placement
     if not trajectories:
         raise ValueError("build_token_batch needs at least one trajectory")
     first = renderer or make_renderer(tokenizer, rollout_cfg)
@@ -147,7 +154,7 @@ def build_token_batch(
         attention_mask[b, :n] = True
         loss_mask[b, :n] = torch.tensor(row.loss_mask, dtype=torch.bool)
         old_logprobs[b, :n] = torch.tensor(row.old_logprobs, dtype=torch.float32)
-        rewards[b, :n] = torch.tensor(_rewards(row, traj, rollout_cfg.reward_placement), dtype=torch.float32)
+        rewards[b, :n] = torch.tensor(_rewards(row, traj, placement), dtype=torch.float32)
         turn_ids[b, :n] = torch.tensor(row.turn_ids, dtype=torch.long)
         turn_ends[b, :n] = torch.tensor(row.turn_ends, dtype=torch.bool)
     return TokenBatch(

@@ -4,10 +4,14 @@
     trajs = run_rollouts(cfg.env, generator, tokenizer, cfg.rollout, seeds=[11, 12], n_per_group=4)
 
 Each of the P seeds is a prompt group; its N members reset their own env instance with that seed,
-so they share the initial state (layout), but each member m draws its own stream of stochastic
-outcomes (bandit payouts, ice slips) via ``reset(seed=seed, options={"dynamics_seed": m})``:
-deterministic given (seed, m), independent across members, so in-group reward differences come
-from the policy and from luck, never from shared luck (SPEC §4 uses their std).
+so they share the initial state (layout). With ``rollout.group_dynamics: shared`` (the default, as
+the reference) they also share the env's random draws (bandit payouts, ice slips): every member
+resets with ``dynamics_seed`` 0, so in-group reward differences come from the policy alone. With
+``independent`` member m draws its own stream (``reset(seed=seed, options={"dynamics_seed": m})``),
+deterministic given (seed, m).
+
+Each episode's env gets ``max_steps = max_actions_per_episode`` (unless ``env.params`` set it, or the
+env is a one-action game): the env's own budget follows the config (SPEC §5, Table 3).
 
 Every turn, the contexts of all live episodes go to ONE ``generator.generate`` call (with one
 session id per episode, so a backend can keep each episode's KV cache; sessions end with their
@@ -30,7 +34,7 @@ episodes). Per reply (SPEC §3):
 Each Turn stores its prompt delta and the exact sampled ids and log-probs, and ``Trajectory.meta``
 holds the texts the renderer needs to re-render a head (``instruction``, ``user_texts``), so
 ``batch.build_token_batch`` rebuilds the training row exactly, also after a Parquet round trip.
-``meta`` keys: ``env_name``, ``member`` and ``dynamics_seed`` (index in the group), ``system_prompt``,
+``meta`` keys: ``env_name``, ``member`` (index in the group), ``dynamics_seed``, ``system_prompt``, ``prefill``,
 ``instruction`` (the instruction block), ``user_texts`` (one user message per turn),
 ``named_actions`` / ``unknown_actions`` (counts per turn), ``context_overflow``.
 
@@ -59,7 +63,7 @@ if TYPE_CHECKING:
     from ragen_core.envs.base import TextEnv
     from ragen_core.rollout.generators.base import Generation, Generator
 
-__all__ = ["Progress", "context_limit", "run_rollouts"]
+__all__ = ["Progress", "context_limit", "dynamics_seed", "episode_env", "run_rollouts"]
 
 Progress = Callable[[int, int], None]
 """Called after every turn with (finished episodes, all episodes)."""
@@ -170,13 +174,26 @@ def run_rollouts(
     return [_finish(ep, env_cfg, rollout_cfg, renderer.prefill) for ep in episodes]
 
 
-def _new_episode(env_cfg: EnvConfig, cfg: RolloutConfig, seed: int, group_id: int, member: int,
-                 session: Hashable) -> _Episode:
+def episode_env(env_cfg: EnvConfig, cfg: RolloutConfig) -> TextEnv:
+    """A fresh env for one episode, its step limit following ``max_actions_per_episode`` (module docstring)."""
     from ragen_core.envs import make
 
     env = make(env_cfg.name, **dict(env_cfg.params))
-    # Same layout for the whole group, own luck per member (module docstring).
-    obs, _ = env.reset(seed=int(seed), options={"dynamics_seed": member})
+    if env.budget_from_rollout and "max_steps" not in env_cfg.params:
+        env.max_steps = cfg.max_actions_per_episode
+    return env
+
+
+def dynamics_seed(cfg: RolloutConfig, member: int) -> int:
+    """The env's dynamics stream of group member ``member``: 0 for all when shared, else its own."""
+    return 0 if cfg.group_dynamics == "shared" else member
+
+
+def _new_episode(env_cfg: EnvConfig, cfg: RolloutConfig, seed: int, group_id: int, member: int,
+                 session: Hashable) -> _Episode:
+    env = episode_env(env_cfg, cfg)
+    # Same layout for the whole group; shared or own luck per member (module docstring).
+    obs, _ = env.reset(seed=int(seed), options={"dynamics_seed": dynamics_seed(cfg, member)})
     block = instruction_block(env.instruction, env.legend, env.action_names, cfg.max_actions_per_turn,
                               free_form=env.free_form_actions)
     return _Episode(group_id=group_id, member=member, seed=int(seed), env=env, block=block, session=session, obs=obs)
@@ -264,7 +281,7 @@ def _finish(ep: _Episode, env_cfg: EnvConfig, cfg: RolloutConfig, prefill: str) 
     meta: dict[str, Any] = {
         "env_name": env_cfg.name,
         "member": ep.member,
-        "dynamics_seed": ep.member,
+        "dynamics_seed": dynamics_seed(cfg, ep.member),
         "system_prompt": cfg.system_prompt,
         "prefill": prefill,
         "instruction": ep.block,

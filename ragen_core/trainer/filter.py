@@ -4,9 +4,15 @@
     stats = update(state, kept.batch, cfg)
     metrics.update(kept.metrics)        # rollout/reward_std_all, rollout/reward_std_kept, ...
 
-The ranking itself is ``ragen_core.algos.filtering.uncertainty_filter`` on the
-raw env returns (penalties excluded) arranged as [P groups, N responses]; this
-module only maps kept groups back to batch rows. The flow calls it between
+The ranking itself is ``ragen_core.algos.filtering.uncertainty_filter`` on
+per-trajectory scores arranged as [P groups, N responses]; this module picks the
+scores and maps kept groups back to batch rows. ``algorithm.filter_on``:
+``return`` ranks the raw env returns (penalties excluded; ours, the default);
+``total`` ranks env return + format penalties, group-normalised first
+((R − mean) / (std + 1e-6), as ``advantages.grpo``) under the grpo estimator:
+what the reference's filter ranks (its ``original_rm_scores`` alias the
+normalised, penalised scores). The ``rollout/reward_std_*`` metrics always
+describe raw env returns, whatever is ranked. The flow calls it between
 rollout and update (it is not inside ``update`` so that a benchmark can time
 the update on the same rollout batch with different keep ratios).
 
@@ -20,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from ragen_core.algos import filtering
+from ragen_core.algos import advantages, filtering
 from ragen_core.config import AlgorithmConfig
 from ragen_core.types import TokenBatch, Trajectory
 
@@ -38,13 +44,14 @@ class FilterResult(NamedTuple):
     """rollout/reward_std_all, rollout/reward_std_kept, rollout/zero_std_frac, rollout/kept_groups, rollout/kept_ratio."""
 
 
-def _row_returns(env_returns: Sequence[Trajectory] | Sequence[float] | torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-    """Raw env return per batch row, [B] float64."""
+def _row_returns(env_returns: Sequence[Trajectory] | Sequence[float] | torch.Tensor, batch: TokenBatch,
+                 field: str = "env_return") -> torch.Tensor:
+    """Per batch row: the trajectories' ``field`` (env_return or total_return), or the given values; [B] float64."""
     if isinstance(env_returns, torch.Tensor):
         values = env_returns.to(torch.float64)
     else:
-        values = torch.tensor([float(t.env_return) if isinstance(t, Trajectory) else float(t) for t in env_returns],
-                              dtype=torch.float64)
+        values = torch.tensor([float(getattr(t, field)) if isinstance(t, Trajectory) else float(t)
+                               for t in env_returns], dtype=torch.float64)
     if values.dim() == 2:  # [P, N] already grouped (ascending group id, batch order within a group)
         _, _, rows = filtering.group_matrix(torch.zeros(batch.batch_size), batch.group_ids)
         flat = torch.empty(batch.batch_size, dtype=torch.float64)
@@ -62,16 +69,23 @@ def filter_batch(
     env_returns: Sequence[Trajectory] | Sequence[float] | torch.Tensor,
     algo: AlgorithmConfig,
 ) -> FilterResult:
-    """Keep the prompt groups chosen by ``algo.filter_mode`` / ``algo.keep_ratio``.
+    """Keep the prompt groups chosen by ``algo.filter_mode`` / ``algo.keep_ratio`` / ``algo.filter_on``.
 
-    env_returns: the trajectories of the batch rows (their ``env_return`` is
-    used), or raw env returns per row [B], or already grouped [P, N] in
+    env_returns: the trajectories of the batch rows (their ``env_return``, or
+    ``total_return`` under filter_on total, is used), or the per-row values to
+    rank [B], or already grouped [P, N] in
     :func:`ragen_core.algos.filtering.group_matrix` order. All groups must have
     the same size N (N ≥ 2 for the std modes).
     """
     returns = _row_returns(env_returns, batch)  # [B]
+    scores = returns
+    if algo.filter_on == "total":
+        scores = _row_returns(env_returns, batch, "total_return")  # [B]
+        if algo.estimator == "grpo":
+            scores = advantages.grpo(scores, batch.group_ids)  # [B]
     by_group, _, rows = filtering.group_matrix(returns, batch.group_ids)  # [P, N], [P], [P, N]
-    keep = filtering.uncertainty_filter(by_group, algo.keep_ratio, algo.filter_mode)  # [K]
+    ranked, _, _ = filtering.group_matrix(scores, batch.group_ids)  # [P, N]
+    keep = filtering.uncertainty_filter(ranked, algo.keep_ratio, algo.filter_mode)  # [K]
     kept_rows = rows[keep].flatten()  # [K·N]
     n_groups, group_size = by_group.shape
     metrics = {"rollout/kept_groups": float(len(keep)), "rollout/kept_ratio": len(keep) / n_groups}

@@ -10,11 +10,17 @@ Steps (the math is ``ragen_core.algos``; this module only orchestrates):
 2. Token rewards (+ the KL penalty when ``kl_in_reward``), then advantages
    from the estimator picked in :data:`ESTIMATORS`, whitened over the loss mask
    for the GAE estimators (GRPO is already normalised within groups).
-3. Online-k (SPEC §5): the rows are split into ``trainer.online_k`` equal
-   mini-batches, each one optimizer step (repeated ``ppo_epochs`` times).
-   Each mini-batch is split into micro-batches of ``trainer.micro_batch_size``
-   rows whose losses are normalised by the whole mini-batch's count (loss tokens
-   for token-mean), so the accumulated gradient is exactly the mini-batch's.
+3. PPO mini-batches (SPEC §4): the rows, in batch order, are cut into mini-batches
+   of ``trainer.mini_batch_rows`` trajectories (the reference's 32), each one
+   optimizer step, the whole pass repeated ``ppo_epochs`` times: vanilla StarPO
+   at 8×16 takes 4 steps per iteration (the last 3 off-policy), StarPO-S with 32
+   kept rows 1. Online-k needs nothing more: its rollout has k·P groups, so k
+   times the rows and k times the steps. ``mini_batch_rows: None`` splits the
+   rows into ``online_k`` equal mini-batches instead (one step per k). Each
+   mini-batch is split into micro-batches of ``trainer.micro_batch_size`` rows
+   whose losses are normalised by the whole mini-batch's count (rows with loss
+   tokens for the seq-mean aggregations, loss tokens for token-mean), so the
+   accumulated gradient is exactly the mini-batch's.
 4. Actor loss = policy loss − entropy_coef·entropy (+ kl_coef·KL in the loss);
    critic loss = clipped value loss. The gradient norm is taken over each
    mini-batch's accumulated gradient (the whole update, not one micro-batch).
@@ -51,7 +57,7 @@ from ragen_core.trainer.models import PolicyModels, critic_values, reference_log
 from ragen_core.trainer.state import TrainState
 from ragen_core.types import TokenBatch, UpdateStats
 
-__all__ = ["ESTIMATORS", "compute_advantages", "micro_slices", "rank_micro_rows", "update"]
+__all__ = ["ESTIMATORS", "compute_advantages", "micro_slices", "mini_batch_rows", "rank_micro_rows", "update"]
 
 Estimator = Callable[[TokenBatch, torch.Tensor, "torch.Tensor | None", AlgorithmConfig],
                      tuple[torch.Tensor, "torch.Tensor | None"]]
@@ -65,7 +71,7 @@ def _gae(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
 def _bilevel_gae(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
                  algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     return adv_fns.bilevel_gae(rewards, _need(values), batch.loss_mask, batch.turn_ends, gamma=algo.gamma,
-                               lam=algo.lam, turn_gamma=algo.turn_gamma, turn_lam=algo.turn_lam)
+                               lam=algo.lam, turn_gamma=algo.turn_gamma, turn_lam=algo.turn_lambda)
 
 
 def _grpo(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
@@ -98,6 +104,20 @@ def compute_advantages(
     if algo.whiten_advantages and algo.estimator in _WHITENED:
         advantages = masked_whiten(advantages, batch.loss_mask)
     return advantages, returns
+
+
+def mini_batch_rows(n_rows: int, rows_per_mini_batch: int | None, online_k: int = 1) -> list[torch.Tensor]:
+    """Row indices of each PPO mini-batch of an update of ``n_rows`` rows, in batch order (module step 3).
+
+    Consecutive blocks of ``rows_per_mini_batch`` rows (the last one may be shorter); with None,
+    ``online_k`` near-equal blocks.
+    """
+    rows = torch.arange(n_rows)
+    if rows_per_mini_batch is None:
+        if n_rows < online_k:
+            raise ValueError(f"{n_rows} rows cannot make trainer.online_k={online_k} mini-batches")
+        return list(torch.tensor_split(rows, online_k))
+    return list(torch.split(rows, rows_per_mini_batch))
 
 
 def micro_slices(n_rows: int, micro_batch_size: int) -> list[slice]:
@@ -190,7 +210,7 @@ class _Meter:
 def update(
     state: TrainState, batch: TokenBatch, cfg: ExperimentConfig, think_tokens: Sequence[float] | None = None
 ) -> UpdateStats:
-    """All optimizer steps of one rollout batch (Online-k: ``trainer.online_k`` mini-batches × ``ppo_epochs``).
+    """All optimizer steps of one rollout batch: one per mini-batch (module step 3), × ``ppo_epochs``.
 
     batch: the (already filtered) rows to train on; think_tokens: optional
     ``<think>`` length per row (summed over its turns) for the response/
@@ -199,8 +219,7 @@ def update(
     started = time.perf_counter()
     algo, tr = cfg.algorithm, cfg.trainer
     models = state.models
-    if batch.batch_size < tr.online_k:
-        raise ValueError(f"{batch.batch_size} rows cannot make trainer.online_k={tr.online_k} mini-batches")
+    mini_batches = mini_batch_rows(batch.batch_size, tr.mini_batch_rows, tr.online_k)
     models.train()
     batch = _on(batch, torch.device("cpu"))  # bookkeeping on CPU; micro-batches go to the model's device
     old_values, ref_logprobs = _rollout_side(state, batch, cfg)
@@ -211,7 +230,7 @@ def update(
     meter = _Meter()
     steps = 0
     for _ in range(tr.ppo_epochs):
-        for mb_rows in torch.tensor_split(torch.arange(batch.batch_size), tr.online_k):
+        for mb_rows in mini_batches:
             _mini_batch_step(state, batch, mb_rows, advantages, returns if train_critic else None,
                              old_values, ref_logprobs, cfg, meter)
             steps += 1
@@ -252,9 +271,9 @@ def _mini_batch_step(
     width = mb.input_ids.shape[1]
     mb_adv, mb_ret, mb_values, mb_ref = (
         None if x is None else _take(x, rows, width).to(device) for x in (advantages, returns, old_values, ref_logprobs))
-    # Exact token-mean across micro-batches: every micro-batch divides by the mini-batch's count.
+    # Exact aggregation across micro-batches: every micro-batch divides by the mini-batch's count.
+    # The policy, entropy and value losses are all aggregated by algo.loss_agg (SPEC §4).
     norm = losses.aggregation_normaliser(mb.loss_mask, algo.loss_agg)
-    value_norm = losses.aggregation_normaliser(mb.loss_mask, "token-mean")
     totals: dict[str, float] = defaultdict(float)
     rank, world_size = state.actor_engine.data_parallel  # (0, 1) unless data parallel: then this rank's rows only
     for idx in rank_micro_rows(mb.batch_size, cfg.trainer.micro_batch_size, rank, world_size):
@@ -265,7 +284,7 @@ def _mini_batch_step(
         w, n_tok = micro.input_ids.shape[1], float(micro.loss_mask.sum())
         head_targets = None  # value head: one forward and one backward for both losses
         if mb_ret is not None and models.value_head is not None:
-            head_targets = (mb_values[idx, :w], mb_ret[idx, :w], value_norm)
+            head_targets = (mb_values[idx, :w], mb_ret[idx, :w], norm)
         loss, pg_loss, head = state.actor_engine.forward(
             _actor_loss, models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w], cfg, norm,
             stats, head_targets)
@@ -276,7 +295,7 @@ def _mini_batch_step(
         state.actor_engine.backward(loss * weight)  # × 1.0 is exact: W = 1 is unchanged
         if mb_ret is not None and models.critic is not None and state.critic_engine is not None:
             v_loss, v_stats = state.critic_engine.forward(_critic_loss, models.critic, micro, mb_values[idx, :w],
-                                                          mb_ret[idx, :w], algo, value_norm)
+                                                          mb_ret[idx, :w], algo, norm)
             state.critic_engine.backward(v_loss * weight)
             totals["critic/value_loss"] += float(v_loss.detach()) * weight
             stats.add("critic/", v_stats, n_tok)
@@ -336,7 +355,7 @@ def _critic_loss(critic: torch.nn.Module, micro: TokenBatch, old_values: torch.T
 def _value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                 algo: AlgorithmConfig, normaliser: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss, stats = losses.value_loss(values, old_values, returns, mask, clip_range=algo.value_clip,
-                                    agg="token-mean", normaliser=normaliser)
+                                    agg=algo.loss_agg, normaliser=normaliser)
     return loss, {"vf_clipfrac": stats["value_clipfrac"], "n_tokens": stats["n_tokens"]}
 
 

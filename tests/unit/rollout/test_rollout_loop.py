@@ -40,23 +40,68 @@ def _replay(env_cfg: EnvConfig, seed: int, member: int, actions: list[str]) -> l
     return [env.step(a)[1] for a in actions]
 
 
-def test_group_shares_initial_state_members_draw_own_luck(tok: PreTrainedTokenizerBase) -> None:
+def test_group_shares_initial_state_and_luck_by_default(tok: PreTrainedTokenizerBase) -> None:
+    # SPEC §2 / issue 12 item 3: the reference resets all N members with the same seed, so they share
+    # the env's random draws: 16 pulls of Dragon in one group all pay the same.
     gen = ScriptedGenerator(tok, _answer("Dragon"))
     trajs = run_rollouts(BANDIT, gen, tok, RolloutConfig(), seeds=[6, 1], n_per_group=16)
     assert [t.group_id for t in trajs] == [0] * 16 + [1] * 16
     assert [t.seed for t in trajs] == [6] * 16 + [1] * 16
     for g in (trajs[:16], trajs[16:]):
         assert len({t.turns[0].observation for t in g}) == 1  # same initial state within a group
+        assert len({t.env_return for t in g}) == 1  # same luck within a group
+    assert {t.meta["dynamics_seed"] for t in trajs} == {0}
+    assert trajs[0].env_return == _replay(BANDIT, 6, 0, ["Dragon"])[0]
+    # over many groups both payouts occur (the luck is per group, not fixed)
+    many = run_rollouts(BANDIT, ScriptedGenerator(tok, _answer("Dragon")), tok, RolloutConfig(), seeds=range(40),
+                        n_per_group=2)
+    assert {t.env_return for t in many} == {0.0, 1.0}
+    t = trajs[0]
+    assert (t.terminated, t.truncated, t.success, len(t.turns), t.env_tag) == (True, False, True, 1, "bandit")
+
+
+def test_independent_group_dynamics_draw_own_luck(tok: PreTrainedTokenizerBase) -> None:
+    cfg = RolloutConfig(group_dynamics="independent")
+    gen = ScriptedGenerator(tok, _answer("Dragon"))
+    trajs = run_rollouts(BANDIT, gen, tok, cfg, seeds=[6, 1], n_per_group=16)
+    assert len({t.turns[0].observation for t in trajs[:16]}) == 1  # still one initial state per group
     # Dragon pays 1.0 with p=0.25: 16 members with their own dynamics stream do not all agree
     rewards = [t.env_return for t in trajs[:16]]
     assert set(rewards) == {0.0, 1.0}
     assert rewards == [_replay(BANDIT, 6, m, ["Dragon"])[0] for m in range(16)]
     # deterministic: the same call again gives the same luck; group_offset shifts ids
-    again = run_rollouts(BANDIT, ScriptedGenerator(tok, _answer("Dragon")), tok, RolloutConfig(), seeds=[6],
+    again = run_rollouts(BANDIT, ScriptedGenerator(tok, _answer("Dragon")), tok, cfg, seeds=[6],
                          n_per_group=16, group_offset=7)
     assert [t.env_return for t in again] == rewards and {t.group_id for t in again} == {7}
-    t = trajs[0]
-    assert (t.terminated, t.truncated, t.success, len(t.turns), t.env_tag) == (True, False, True, 1, "bandit")
+
+
+@pytest.mark.parametrize(("dynamics", "same"), [("shared", True), ("independent", False)])
+def test_frozen_lake_slips_are_shared_within_a_group(tok: PreTrainedTokenizerBase, dynamics: str, same: bool) -> None:
+    # The same actions on slippery ice: with shared dynamics every member slips the same way, so the
+    # whole episodes agree; with independent dynamics they drift apart.
+    lake = EnvConfig(name="FrozenLake")
+    cfg = RolloutConfig(group_dynamics=dynamics, max_turns=3)
+    trajs = run_rollouts(lake, ScriptedGenerator(tok, _answer("Down", "Right")), tok, cfg, seeds=[11],
+                         n_per_group=8)
+    episodes = {tuple(turn.observation for turn in t.turns) + (t.env_return,) for t in trajs}
+    assert (len(episodes) == 1) is same
+
+
+def test_episode_budget_follows_the_config(tok: PreTrainedTokenizerBase) -> None:
+    # Issue 12 item 7 / SPEC §5: Table 3's k = 6 gives 5 turns x 6 actions = 30 actions, and the env's
+    # own step limit (Sokoban: 10 by default) must follow, not cut the episode at 10.
+    from ragen_core.rollout.loop import episode_env
+
+    cfg = RolloutConfig(max_actions_per_turn=6, max_actions_per_episode=30)
+    assert episode_env(SOKOBAN, cfg).max_steps == 30
+    assert episode_env(EnvConfig(name="FrozenLake"), cfg).max_steps == 30
+    assert episode_env(EnvConfig(name="Sokoban", params={"max_steps": 12}), cfg).max_steps == 12  # explicit wins
+    assert episode_env(BANDIT, cfg).max_steps == 1  # one pull is a rule of the game
+    # bumping into walls spends actions without solving: the episode uses all 30
+    wall = "<think>x</think><answer>" + " || ".join(["Up", "Up", "Up", "Left", "Left", "Left"]) + "</answer>"
+    (t,) = run_rollouts(SOKOBAN, ScriptedGenerator(tok, wall), tok, cfg, seeds=[5], n_per_group=1)
+    assert "You have 30 actions left" in t.meta["user_texts"][0]
+    assert not t.success and len(t.turns) == 5 and sum(len(turn.actions) for turn in t.turns) == 30
 
 
 def test_penalty_rules_and_turn_rewards(tok: PreTrainedTokenizerBase) -> None:

@@ -73,11 +73,11 @@ def test_evaluate_fixed_seeds_temperature_and_pass_at_n() -> None:
     assert all(c.params.seed is not None for c in gen.calls)
     # Bandit: Dragon is the high-risk arm with the higher expected value (0.25 > 0.15): always a success
     # BanditRev: Dragon is the safe arm paying 0.15: never a success (success means the higher-EV arm)
-    payouts = []
+    payouts = []  # the 3 samples of a seed share the env's luck (rollout.group_dynamics: shared)
     for seed in seeds:
-        for member in range(3):
+        for _ in range(3):
             env = make("Bandit")
-            env.reset(seed=seed, options={"dynamics_seed": member})
+            env.reset(seed=seed, options={"dynamics_seed": 0})
             payouts.append(env.step("Dragon")[1])
     m = result.metrics
     assert m["val/Bandit/success"] == 1.0 and m["val/Bandit/pass_at_3"] == 1.0

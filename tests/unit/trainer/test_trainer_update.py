@@ -126,7 +126,8 @@ def test_gradient_is_the_whole_mini_batch_token_mean() -> None:
     # GRPO without KL and with a zero entropy bonus: the actor loss is exactly policy_loss over the
     # whole batch (token-mean over all 53 loss tokens). The trainer's accumulated gradient over
     # micro-batches of 3 (uneven: 3+3+2 rows of different lengths) must equal that plain gradient.
-    cfg = make_cfg("grpo", "algorithm.kl_coef=0.0", "algorithm.entropy_coef=0.0", "trainer.micro_batch_size=3")
+    cfg = make_cfg("grpo", "algorithm.kl_coef=0.0", "algorithm.entropy_coef=0.0", "trainer.micro_batch_size=3",
+                   "algorithm.loss_agg=token-mean")
     batch = make_batch()
     state = init_state(cfg)
     reference = init_state(cfg).models.actor  # same seed, same weights
@@ -145,8 +146,9 @@ def test_gradient_is_the_whole_mini_batch_token_mean() -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
-def test_online_k_makes_k_steps_and_reports_mean_and_max_grad_norm() -> None:
-    cfg = make_cfg("starpo-s", "trainer.online_k=2", "trainer.ppo_epochs=2")
+def test_mini_batches_make_steps_and_report_mean_and_max_grad_norm() -> None:
+    # 8 rows in mini-batches of 4 rows -> 2 steps per epoch, 2 epochs -> 4 steps
+    cfg = make_cfg("starpo-s", "trainer.mini_batch_rows=4", "trainer.ppo_epochs=2")
     state = init_state(cfg)
     seen = _capture_grads(state.actor_engine)
     stats = update(state, make_batch(), cfg)
@@ -156,8 +158,25 @@ def test_online_k_makes_k_steps_and_reports_mean_and_max_grad_norm() -> None:
     assert stats.metrics["actor/grad_norm_max"] == pytest.approx(max(norms), rel=1e-5)
 
 
+def test_vanilla_takes_four_steps_and_starpo_s_one_at_8x16() -> None:
+    # Issue 12 item 1 (reference ppo_mini_batch_size 32): P x N = 8 x 16 = 128 rows. Vanilla StarPO trains
+    # on all 128 -> 128 / 32 = 4 optimizer steps; StarPO-S keeps 25% of the groups = 2 x 16 = 32 rows -> 1.
+    batch = make_batch(n_groups=8, group_size=16, max_len=12, turns=1)
+    steps = {}
+    for preset in ("starpo", "starpo-s"):
+        cfg = make_cfg(preset, "rollout.responses_per_prompt=16", "trainer.micro_batch_size=32")
+        kept = filter_batch(batch, batch.returns, cfg.algorithm).batch
+        steps[preset] = (kept.batch_size, update(init_state(cfg), kept, cfg).optimizer_steps)
+    assert steps == {"starpo": (128, 4), "starpo-s": (32, 1)}
+
+
+def test_online_k_without_mini_batch_rows_splits_into_k_steps() -> None:
+    cfg = make_cfg("starpo-s", "trainer.online_k=2", "trainer.mini_batch_rows=null")
+    assert update(init_state(cfg), make_batch(), cfg).optimizer_steps == 2
+
+
 def test_online_k_larger_than_batch_is_refused() -> None:
-    cfg = make_cfg("starpo-s", "trainer.online_k=16")
+    cfg = make_cfg("starpo-s", "trainer.online_k=16", "trainer.mini_batch_rows=null")
     with pytest.raises(ValueError, match="online_k"):
         update(init_state(cfg), make_batch(), cfg)
 
