@@ -4,8 +4,8 @@
     ragen eval data/runs/<run>/checkpoints/iter=000010      # one checkpoint
     python -c "from flows.evaluate import evaluate; print(evaluate('data/runs/<run>'))"
 
-Bandit runs are also tested on BanditTest and BanditRev, Sokoban runs on SokobanNewVocab and
-LargerSokoban (SPEC §2; ragen_core.evaluation.generalisation_variants). Success and pass@N per
+Bandit runs are also tested on BanditTest, Sokoban runs on SokobanNewVocab, LargerSokoban and,
+zero-shot, FrozenLake (SPEC §2; ragen_core.evaluation.generalisation_variants). Success and pass@N per
 env come back as a table, are written to ``eval.json``/``eval.md`` in the run directory, and are
 added to the run's own MLflow run (metrics ``val/final/<env>/...`` at step = updates behind the
 weights, as the run's own ``val/...``; files under ``eval/``); no second MLflow run is created.

@@ -9,11 +9,13 @@ The plain-Python part of ``ragen eval`` (flows/evaluate.py chains these steps as
     report = ev.evaluate_target(cfg, target, ev.evaluation_envs(cfg), seeds=32)
     print(ev.format_table(report))
 
-Variants (RAGEN §5.2, SPEC §2 "Variants used for generalisation"): a Bandit-family run is also
-evaluated on BanditTest (held-out names) and BanditRev (names' roles swapped), a Sokoban-family
-run on SokobanNewVocab and LargerSokoban. The training env's own parameters that do not define
-the variant (reward values, action budget) carry over, so a run trained with a 0.1 low-risk
-reward is tested with 0.1 on every variant too.
+Variants (RAGEN §5.2, SPEC §2 "Variants used for generalisation"): a Bandit run is also
+evaluated on BanditTest (the held-out names Trader/Librarian), a Sokoban run on SokobanNewVocab,
+LargerSokoban and, zero-shot, FrozenLake (the FrozenLake column of the paper's Tables 2-4 and of
+the Online-k study). BanditRev is a training run of its own (roles reversed in training and test),
+never a zero-shot test of a Bandit model. Within a family the training env's own parameters that
+do not define the variant (reward values, action budget) carry over, so a run trained with a 0.1
+low-risk reward is tested with 0.1 on every variant too; a transfer env (another game) takes none.
 
 Tests: ``.venv/bin/python -m pytest tests/flows/test_evaluate_flow.py -q`` (variant map and table, then the flow).
 """
@@ -32,6 +34,7 @@ from ragen_core.config import EnvConfig, ExperimentConfig
 
 __all__ = [
     "EVAL_PREFIX",
+    "TRANSFER",
     "VARIANT_FAMILIES",
     "EvalReport",
     "EvalRow",
@@ -51,15 +54,20 @@ EVAL_PREFIX = "val/final"
 """Metric prefix of a stand-alone evaluation, so it never mixes with the per-iteration ``val/...`` curves."""
 
 VARIANT_FAMILIES: dict[str, tuple[str, ...]] = {
-    "Bandit": ("Bandit", "BanditTest", "BanditRev"),
+    "Bandit": ("Bandit", "BanditTest"),
+    "BanditRev": ("BanditRev",),
     "Sokoban": ("Sokoban", "SokobanNewVocab", "LargerSokoban"),
     "FrozenLake": ("FrozenLake",),
 }
 """Registered env names evaluated together (SPEC §2); an env outside every family is evaluated alone."""
 
+TRANSFER: dict[str, tuple[str, ...]] = {"Sokoban": ("FrozenLake",)}
+"""Other games a family's runs are evaluated on zero-shot, with the registry's defaults (SPEC §2)."""
+
 _DEFINING_PARAMS: dict[str, frozenset[str]] = {
     "Bandit": frozenset({"low_risk_name", "high_risk_name"}),
-    "Sokoban": frozenset({"height", "width", "n_boxes", "symbols"}),
+    "BanditRev": frozenset({"low_risk_name", "high_risk_name"}),
+    "Sokoban": frozenset({"height", "width", "n_boxes", "symbols", "generator", "search_depth", "room_steps"}),
     "FrozenLake": frozenset(),
 }
 """Parameters that make a variant what it is: taken from the registry, never from the training env."""
@@ -78,14 +86,16 @@ def generalisation_variants(env: EnvConfig) -> tuple[EnvConfig, ...]:
     A variant gets ``env``'s parameters minus those that define variants (arm names; grid size,
     box count and symbols), and no tag, so it is labelled by its registered name. A variant
     whose label equals ``env``'s label is left out (e.g. a run trained on Bandit with its
-    own arm names keeps the label "Bandit").
+    own arm names keeps the label "Bandit"). The family's transfer envs (:data:`TRANSFER`) follow,
+    with their registered defaults.
     """
     family = _family(env.name)
     if family is None:
         return (env,)
     shared = {k: v for k, v in env.params.items() if k not in _DEFINING_PARAMS[family]}
     others = tuple(EnvConfig(name=name, params=dict(shared)) for name in VARIANT_FAMILIES[family])
-    return (env, *(v for v in others if v.label != env.label))
+    transfer = tuple(EnvConfig(name=name) for name in TRANSFER.get(family, ()))
+    return (env, *(v for v in others + transfer if v.label != env.label))
 
 
 def evaluation_envs(cfg: ExperimentConfig) -> tuple[EnvConfig, ...]:

@@ -31,13 +31,12 @@ def test_bandit_family_carries_shared_params_but_not_arm_names():
     train_env = EnvConfig("Bandit", {"low_risk_reward": 0.1, "low_risk_name": "Teacher", "high_risk_name": "Engineer"},
                           tag="Bandit-TE")
     variants = ev.generalisation_variants(train_env)
-    assert _labels(variants) == ["Bandit-TE", "Bandit", "BanditTest", "BanditRev"]
+    # BanditRev is not here: in the paper it is a training run of its own (issue 12 item 8)
+    assert _labels(variants) == ["Bandit-TE", "Bandit", "BanditTest"]
     assert variants[0] == train_env
     for v in variants[1:]:
         assert v.params == {"low_risk_reward": 0.1}  # the reward setting carries over, the names do not
     # what the registry makes of them: the SPEC §2 pairs, with the carried reward
-    rev = make(variants[3].name, **variants[3].params)
-    assert (rev.high_risk_name, rev.low_risk_name, rev.low_risk_reward) == ("Phoenix", "Dragon", 0.1)
     test = make(variants[2].name, **variants[2].params)
     assert (test.low_risk_name, test.high_risk_name) == ("Trader", "Librarian")
 
@@ -45,17 +44,19 @@ def test_bandit_family_carries_shared_params_but_not_arm_names():
 def test_a_variant_with_the_training_label_is_left_out():
     # trained on "Bandit" with its own names and no tag: the registry's Bandit would reuse the label
     variants = ev.generalisation_variants(EnvConfig("Bandit", {"low_risk_name": "Teacher", "high_risk_name": "Engineer"}))
-    assert _labels(variants) == ["Bandit", "BanditTest", "BanditRev"]
+    assert _labels(variants) == ["Bandit", "BanditTest"]
     assert variants[0].params["low_risk_name"] == "Teacher"
-    assert _labels(ev.generalisation_variants(EnvConfig("BanditRev"))) == ["BanditRev", "Bandit", "BanditTest"]
+    assert _labels(ev.generalisation_variants(EnvConfig("BanditRev"))) == ["BanditRev"]  # trained and tested reversed
 
 
 def test_sokoban_family_and_envs_outside_a_family():
     variants = ev.generalisation_variants(EnvConfig("SimpleSokoban", {"max_moves": 8, "symbols": "#_O√XPS"}))
-    assert _labels(variants) == ["SimpleSokoban", "Sokoban", "SokobanNewVocab", "LargerSokoban"]
+    # FrozenLake: zero-shot transfer of the Sokoban-trained model (the paper's Tables 2-4), registry defaults
+    assert _labels(variants) == ["SimpleSokoban", "Sokoban", "SokobanNewVocab", "LargerSokoban", "FrozenLake"]
     larger = make(variants[3].name, **variants[3].params)
     assert (larger.height, larger.width, larger.n_boxes, larger.max_moves) == (8, 8, 2, 8)
     assert make(variants[2].name, **variants[2].params).symbols == "W.GCBA@"  # not the training symbols
+    assert variants[4].params == {}
     assert _labels(ev.generalisation_variants(EnvConfig("FrozenLake"))) == ["FrozenLake"]
     assert _labels(ev.generalisation_variants(EnvConfig("Countdown"))) == ["Countdown"]
     for v in variants:  # every variant is a valid env
@@ -65,7 +66,7 @@ def test_sokoban_family_and_envs_outside_a_family():
 def test_evaluation_envs_put_the_configured_eval_envs_first_and_dedupe_labels(tmp_path):
     cfg = load_experiment(SMOKE, ["eval.envs=[{name: BanditRev}, {name: Countdown}]"])
     assert _labels(ev.evaluation_envs(cfg)) == ["BanditRev", "Countdown", "Bandit", "BanditTest"]
-    assert _labels(ev.evaluation_envs(load_experiment(SMOKE))) == ["Bandit", "BanditTest", "BanditRev"]
+    assert _labels(ev.evaluation_envs(load_experiment(SMOKE))) == ["Bandit", "BanditTest"]
 
 
 def test_rows_and_table_golden():
@@ -151,12 +152,12 @@ def test_evaluate_flow_table_files_and_mlflow(smoke):
     lines = text.splitlines()
     assert "| env | success | pass@1 | return | total return | episodes |" in lines
     rows = [ln.split(" | ") for ln in lines if ln.startswith("| Bandit")]
-    assert [r[0] for r in rows] == ["| Bandit", "| BanditTest", "| BanditRev"]
+    assert [r[0] for r in rows] == ["| Bandit", "| BanditTest"]
     assert all(r[-1] == "4 |" for r in rows)  # 4 seeds x eval.samples 1
     saved = json.loads((run_dir / "eval.json").read_text())
     assert saved["iteration"] == 1 and saved["seeds"] == 4 and saved["weights"].endswith("iter=000001")
-    assert (run_dir / "eval.md").read_text().splitlines()[2:] == lines[2:7]
-    for tag in ("Bandit", "BanditTest", "BanditRev"):
+    assert (run_dir / "eval.md").read_text().splitlines()[2:] == lines[2:6]
+    for tag in ("Bandit", "BanditTest"):
         assert 0.0 <= saved["metrics"][f"val/final/{tag}/success"] <= 1.0
     # same seeds, temperature and sampling seed as the run's own final evaluation: same numbers
     history = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
@@ -169,8 +170,8 @@ def test_evaluate_flow_table_files_and_mlflow(smoke):
     assert "logged to MLflow run " + result.mlflow_run_id in text
     runs = client.search_runs([client.get_run(result.mlflow_run_id).info.experiment_id])
     assert [r.info.run_id for r in runs] == [result.mlflow_run_id]
-    hist = client.get_metric_history(result.mlflow_run_id, "val/final/BanditRev/success")
-    assert [(m.step, m.value) for m in hist] == [(1, saved["metrics"]["val/final/BanditRev/success"])]
+    hist = client.get_metric_history(result.mlflow_run_id, "val/final/BanditTest/success")
+    assert [(m.step, m.value) for m in hist] == [(1, saved["metrics"]["val/final/BanditTest/success"])]
     assert {a.path for a in client.list_artifacts(result.mlflow_run_id, "eval")} == {"eval/eval.json", "eval/eval.md"}
     assert client.get_run(result.mlflow_run_id).info.status == "FINISHED"
 
