@@ -8,7 +8,7 @@ Three ratios (issue 5) and peak memory:
   [B, T, V] logits and a masked next-token log-likelihood. Our side adds entropy, the PPO loss
   and its statistics, and skips the output layer on the prompt. Each side first runs one untimed
   step at the full shape; then ``--repeats`` timed steps each, interleaved, the fastest counting.
-- ``p5`` = seconds of filter_batch + update with keep_ratio 0.25 ÷ keep_ratio 1.0 on the same
+- ``p5`` = seconds of filter_batch + update with filter_value 0.25 ÷ filter_value 1.0 on the same
   rollout batch, StarPO-S (separate critic, no KL). The paper's ratio is about 0.35.
 - ``p3`` = seconds per GRPO step (rollout + update) of ours ÷ TRL's ``GRPOTrainer`` on the
   single-turn Bandit task: same model, 4 prompts × 4 generations, 32-token completions,
@@ -207,7 +207,7 @@ def bench_p5(args: argparse.Namespace) -> dict[str, Any]:
     n = args.p5_groups * args.p5_group_size
     seconds, cpu, peak = {}, {}, {}
     for keep in (1.0, 0.25):
-        cfg = _cfg("starpo-s", f"algorithm.keep_ratio={keep}", f"trainer.micro_batch_size={args.micro}",
+        cfg = _cfg("starpo-s", f"algorithm.filter_value={keep}", f"trainer.micro_batch_size={args.micro}",
                    f"trainer.logprob_chunk={args.chunk}", f"rollout.responses_per_prompt={args.p5_group_size}")
         state = init_state(cfg)
         vocab = int(state.models.actor.config.vocab_size)

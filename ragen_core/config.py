@@ -170,11 +170,31 @@ class AlgorithmConfig:
     value_clip: float = F(0.5, "clip range of the value loss", gt=0.0)
     value_coef: float = F(0.5, "weight of the value loss when the critic is a head on the actor (one shared backward)", ge=0.0)
     critic: Literal["separate", "head", "none"] = F("separate", "critic: a separate model, a value head on the actor, or none (GRPO)")
-    filter_mode: Literal["std", "std_rev", "none"] = F("none", "uncertainty filter: keep highest-std groups, lowest, or all")
-    keep_ratio: float = F(1.0, "fraction of prompt groups kept by the filter (StarPO-S: 0.25)", gt=0.0, le=1.0)
+    filter_strategy: Literal["none", "top_k", "top_k_abs", "top_p", "min_p"] = F(
+        "none", "which prompt groups to train on (algos.filtering.select_groups): none (all), top_k (a fraction "
+                "of P: StarPO-S 0.25), top_k_abs (a count), top_p (RAGEN-2's nucleus), min_p")
+    filter_value: float = F(1.0, "the strategy's value: top_k fraction, top_k_abs count, top_p mass, min_p factor",
+                            gt=0.0)
+    filter_metric: Literal["reward_std", "reward_mean", "entropy", "entropy_std", "length"] = F(
+        "reward_std", "the group score ranked: in-group reward std (StarPO-S, RAGEN-2), reward mean, mean or std of "
+                      "trajectories' entropy (mean -log p of their sampled tokens), mean response length")
+    filter_largest: bool = F(True, "keep the highest scores; false keeps the lowest (the paper's std_rev ablation)")
+    filter_include_zero: bool = F(True, "false drops zero-score groups first (RAGEN-2); if none is left the "
+                                        "iteration skips its update")
+    filter_top_p_mode: Literal["linear", "softmax"] = F("linear", "top_p: running sum of scores, or softmax mass")
+    filter_eps: float = F(0.01, "top_p linear: the threshold is value x total - eps", ge=0.0)
+    filter_adv_scale: Literal["none", "linear", "sqrt"] = F(
+        "none", "multiply advantages by the kept fraction of groups (linear) or its square root")
     filter_on: Literal["return", "total"] = F(
         "return", "what the filter's in-group std is taken of: return = raw env return (penalties excluded); "
                   "total = env return + format penalties, group-normalised under grpo (the reference's)")
+
+    @property
+    def filters(self) -> bool:
+        """Whether the group filter can drop anything (top_p at 1.0 with zero groups kept keeps all)."""
+        keeps_all = self.filter_strategy == "none" or (
+            self.filter_strategy == "top_p" and self.filter_value >= 1.0 and self.filter_include_zero)
+        return not keeps_all
 
     @property
     def turn_lambda(self) -> float:
@@ -238,7 +258,7 @@ class HealthConfig:
     patience: int = F(3, "consecutive unhealthy iterations before acting", ge=1)
 
 
-PRESET_NAMES = ("starpo", "starpo-s", "grpo", "custom")
+PRESET_NAMES = ("starpo", "starpo-s", "grpo", "starpo-s-snr", "custom")
 
 
 @dataclass(frozen=True)
@@ -246,7 +266,8 @@ class ExperimentConfig:
     """One training experiment: everything `ragen train` needs."""
 
     name: str = F("experiment", "run name prefix")
-    preset: Literal["starpo", "starpo-s", "grpo", "custom"] = F("custom", "algorithm preset applied under the file's values")
+    preset: Literal["starpo", "starpo-s", "grpo", "starpo-s-snr", "custom"] = F(
+        "custom", "algorithm preset applied under the file's values (starpo-s-snr: RAGEN-2's top-p filter)")
     model: ModelConfig = F(ModelConfig(), "model")
     env: EnvConfig = F(EnvConfig(), "training environment")
     eval: EvalConfig = F(EvalConfig(), "held-out evaluation")
@@ -258,12 +279,15 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         r, a = self.rollout, self.algorithm
-        if a.filter_mode != "none" and r.responses_per_prompt < 2:
+        if a.filters and a.filter_metric.endswith("_std") and r.responses_per_prompt < 2:
             raise ConfigError(
-                "algorithm.filter_mode: the uncertainty filter needs in-group std, which a group of "
+                f"algorithm.filter_strategy: ranking groups by {a.filter_metric} needs in-group std, which a group of "
                 f"rollout.responses_per_prompt={r.responses_per_prompt} does not have; set "
-                "rollout.responses_per_prompt >= 2 or algorithm.filter_mode=none"
+                "rollout.responses_per_prompt >= 2 or algorithm.filter_strategy=none"
             )
+        if a.filter_strategy == "top_k" and a.filter_value > 1.0:
+            raise ConfigError(f"algorithm.filter_value: {a.filter_value} is out of range for top_k (a fraction); "
+                              "must be <= 1.0 (use top_k_abs for a count)")
         if a.estimator == "grpo" and r.responses_per_prompt < 2:
             raise ConfigError("algorithm.estimator: grpo normalises within a group; rollout.responses_per_prompt must be >= 2")
         if a.estimator in ("gae", "bilevel_gae") and a.critic == "none":
@@ -287,7 +311,7 @@ class ExperimentConfig:
         """starpo | starpo-s | grpo, for tracking tags (derived, so a custom config is named by what it does)."""
         if self.algorithm.estimator == "grpo":
             return "grpo"
-        starpo_s = self.algorithm.filter_mode != "none" and self.algorithm.kl_coef == 0.0
+        starpo_s = self.algorithm.filters and self.algorithm.kl_coef == 0.0
         return "starpo-s" if starpo_s else "starpo"
 
     @property
@@ -320,14 +344,27 @@ DEEPSPEED_OWNED_KEYS = frozenset({
 
 # SPEC §4 presets: applied under the experiment file's own values.
 PRESETS: dict[str, dict[str, Any]] = {
-    "starpo": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_mode": "none", "keep_ratio": 1.0,
+    "starpo": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_strategy": "none", "filter_value": 1.0,
                              "kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2}},
-    "starpo-s": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_mode": "std", "keep_ratio": 0.25,
+    "starpo-s": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_strategy": "top_k",
+                               "filter_value": 0.25, "filter_include_zero": True,
                                "kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28}},
-    "grpo": {"algorithm": {"estimator": "grpo", "critic": "none", "filter_mode": "none", "keep_ratio": 1.0,
+    "grpo": {"algorithm": {"estimator": "grpo", "critic": "none", "filter_strategy": "none", "filter_value": 1.0,
                            "kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2}},
+    # RAGEN-2's recommended SNR-aware filter (SPEC §8) on StarPO-S's other settings: top-p linear 0.9
+    # over in-group reward std, zero-std groups dropped first.
+    "starpo-s-snr": {"algorithm": {"estimator": "gae", "critic": "separate", "filter_strategy": "top_p",
+                                   "filter_value": 0.9, "filter_top_p_mode": "linear", "filter_include_zero": False,
+                                   "kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28}},
     "custom": {},
 }
+
+RENAMED_KEYS: dict[str, str] = {
+    "algorithm.filter_mode": "algorithm.filter_strategy (std -> top_k; std_rev -> top_k with "
+                             "algorithm.filter_largest=false; none -> none)",
+    "algorithm.keep_ratio": "algorithm.filter_value (the fraction kept under filter_strategy top_k)",
+}
+"""Keys that were replaced: an old key gets an error naming its replacement (one way to say each thing)."""
 
 
 @dataclass(frozen=True)
@@ -457,6 +494,8 @@ def build_config(cls: type, data: Any, path: str = "") -> Any:
         if key not in fields:
             if cls is ExperimentConfig and key == "extends":
                 continue
+            if kpath in RENAMED_KEYS:
+                raise ConfigError(f"{kpath}: replaced by {RENAMED_KEYS[kpath]}")
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{kpath}: unknown key{hint} (allowed: {', '.join(fields)})")

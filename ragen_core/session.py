@@ -47,13 +47,15 @@ class RolloutBatch:
 
 
 class Selection:
-    """The rows the uncertainty filter kept, as a TokenBatch, plus which trajectories they are."""
+    """The rows the group filter kept, as a TokenBatch, plus which trajectories they are."""
 
-    def __init__(self, batch: TokenBatch, kept: list[bool], metrics: dict[str, float], think_tokens: list[float]):
+    def __init__(self, batch: TokenBatch, kept: list[bool], metrics: dict[str, float], think_tokens: list[float],
+                 advantage_scale: float = 1.0):
         self.batch = batch
         self.kept = kept
         self.metrics = metrics
         self.think_tokens = think_tokens
+        self.advantage_scale = advantage_scale
 
 
 class Session:
@@ -231,20 +233,29 @@ def select_groups(sess: Session, rollouts: RolloutBatch) -> Selection:
     for r in rows:
         kept[r] = True
     think = [float(sum(t.think_tokens for t in trajs[r].turns)) for r in rows]
-    return Selection(result.batch, kept, result.metrics, think)
+    return Selection(result.batch, kept, result.metrics, think, result.advantage_scale)
 
 
 def update_policy(sess: Session, selection: Selection) -> UpdateStats:
-    """All optimizer steps of this rollout batch, then fresh weights for the generator."""
+    """All optimizer steps of this rollout batch, then fresh weights for the generator.
+
+    When the filter kept nothing (no group with signal), the update is skipped and says so.
+    """
     from ragen_core.trainer import update
 
-    stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens)
+    if selection.batch.batch_size == 0:
+        sess.say(f"[filter] iteration {sess.iteration + 1}: no group kept, update skipped")
+        sess.state.iteration += 1
+        return UpdateStats(metrics={"rollout/update_skipped": 1.0}, optimizer_steps=0)
+    stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens,
+                   advantage_scale=selection.advantage_scale)
     # The hf generator samples from the actor itself (ZeRO-3 gathers per layer as it runs); a vLLM one
     # copies the weights, so they are gathered whole for it.
     gather = sess.state.full_weights() if sess.cfg.rollout.backend != "hf" else contextlib.nullcontext()
     with gather:
         sess.generator.update_weights(sess.state.models.actor)
     sess.state.iteration += 1
+    stats.metrics["rollout/update_skipped"] = 0.0
     return stats
 
 

@@ -1,8 +1,11 @@
-"""StarPO-S uncertainty filter (SPEC §4; RAGEN paper §4, "uncertainty-based filtering").
+"""Group filters: StarPO-S's uncertainty filter (SPEC §4; RAGEN §4) and RAGEN-2's SNR-aware selection (SPEC §8).
 
 Keep only the prompt groups whose trajectories disagree most: per group, the
 std of raw returns (env rewards, penalties excluded) measures how uncertain
 the policy still is on that initial state. Whole groups are kept or dropped.
+:func:`select_groups` generalises the choice to any per-group score with the
+strategies of RAGEN-2 (top-k as a fraction or a count, top-p linear or
+softmax, min-p), picked from :data:`STRATEGIES` (STYLE rule 2).
 Pure tensor functions (STYLE rule 1); arguments are never modified.
 
 Run the tests with ``python -m pytest tests/unit/algos -q``.
@@ -36,20 +39,6 @@ def group_std(returns_by_group: torch.Tensor) -> torch.Tensor:
     return returns_by_group.sort(dim=1).values.to(torch.float64).std(dim=1)
 
 
-def _highest_std_first(std: torch.Tensor) -> torch.Tensor:
-    return torch.sort(std, descending=True, stable=True).indices  # stable: ties keep the lower index first
-
-
-def _lowest_std_first(std: torch.Tensor) -> torch.Tensor:
-    return torch.sort(std, stable=True).indices
-
-
-_ORDERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "std": _highest_std_first,
-    "std_rev": _lowest_std_first,
-}
-
-
 def n_kept(n_groups: int, keep_ratio: float) -> int:
     """How many groups the filter keeps: max(1, floor(keep_ratio × P))."""
     return max(1, math.floor(keep_ratio * n_groups + _ROUNDING_SLACK))
@@ -74,16 +63,113 @@ def uncertainty_filter(
     n_groups, group_size = returns_by_group.shape
     if mode == "none":
         return torch.arange(n_groups, dtype=torch.long)
-    if mode not in _ORDERS:
+    if mode not in ("std", "std_rev"):
         raise ValueError(f"unknown filter mode {mode!r}; choose one of 'std', 'std_rev', 'none'")
     if group_size < 2:
         raise ValueError(
             f"group size {group_size} makes in-group std undefined; "
             "set rollout.responses_per_prompt >= 2 or filter mode none"
         )
-    std = torch.round(group_std(returns_by_group), decimals=_STD_DECIMALS)  # [P]
-    order = _ORDERS[mode](std)  # [P] group indices, preferred first
-    return order[: n_kept(n_groups, keep_ratio)].sort().values.to(torch.long)  # [K] ascending
+    return select_groups(group_std(returns_by_group), "top_k", keep_ratio, largest=mode == "std")  # [K]
+
+
+# --------------------------------------------------------------------------- SNR-aware selection (RAGEN-2)
+
+_ZERO = 1e-10
+"""A group score at most this far from 0 counts as zero (include_zero=False drops it)."""
+
+
+def _preferred_first(scores: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Indices into ``scores`` [n], best first; ties (9 decimals) keep the lower index first."""
+    rounded = torch.round(scores.to(torch.float64), decimals=_STD_DECIMALS)
+    return torch.sort(rounded, descending=largest, stable=True).indices
+
+
+def _top_k(scores: torch.Tensor, value: float, largest: bool, n_groups: int, **_: object) -> torch.Tensor:
+    """The best max(1, floor(value × P)) groups; P counts every group, also those include_zero dropped."""
+    k = min(n_kept(n_groups, value), scores.numel())
+    return _preferred_first(scores, largest)[:k]
+
+
+def _top_k_abs(scores: torch.Tensor, value: float, largest: bool, **_: object) -> torch.Tensor:
+    """The best max(1, int(value)) groups."""
+    return _preferred_first(scores, largest)[: min(max(1, int(value)), scores.numel())]
+
+
+def _top_p(scores: torch.Tensor, value: float, largest: bool, top_p_mode: str, eps: float,
+           **_: object) -> torch.Tensor:
+    """Nucleus over groups; value >= 1 keeps all. linear: the best groups until their running sum
+    reaches value × total − eps (the group that reaches it included; a score <= 0 ends the walk; if
+    the sum never reaches it, none). softmax: the smallest best-first set whose softmax mass reaches value."""
+    if value >= 1.0:
+        return torch.arange(scores.numel())
+    order = _preferred_first(scores, largest)
+    x = scores.to(torch.float64)[order]  # [n] best first
+    if top_p_mode == "softmax":
+        mass = torch.softmax(x if largest else -x, dim=0).cumsum(0)  # [n]
+        k = int(torch.searchsorted(mass, torch.tensor([value], dtype=torch.float64))[0]) + 1
+        return order[: min(k, scores.numel())]
+    if top_p_mode != "linear":
+        raise ValueError(f"unknown top_p_mode {top_p_mode!r}; choose 'linear' or 'softmax'")
+    threshold = value * float(x.sum()) - eps
+    total, k = 0.0, 0
+    for score in x.tolist():
+        if total >= threshold or score <= 0.0:
+            break
+        total, k = total + score, k + 1
+    return order[:k] if total >= threshold else order[:0]
+
+
+def _min_p(scores: torch.Tensor, value: float, largest: bool, **_: object) -> torch.Tensor:
+    """largest: scores >= value × max; smallest: scores <= min / value."""
+    x = scores.to(torch.float64)
+    keep = x >= x.max() * value - _ZERO if largest else x <= x.min() / (value + _ZERO) + _ZERO
+    return keep.nonzero().flatten()
+
+
+def _none(scores: torch.Tensor, **_: object) -> torch.Tensor:
+    return torch.arange(scores.numel())
+
+
+STRATEGIES: dict[str, Callable[..., torch.Tensor]] = {
+    "top_k": _top_k, "top_k_abs": _top_k_abs, "top_p": _top_p, "min_p": _min_p, "none": _none,
+}
+"""select_groups strategies (SPEC §8): (scores [n], value, largest, ...) -> indices into scores."""
+
+
+def select_groups(
+    scores: torch.Tensor,
+    strategy: str,
+    value: float,
+    *,
+    largest: bool = True,
+    include_zero: bool = True,
+    top_p_mode: str = "linear",
+    eps: float = 0.01,
+) -> torch.Tensor:
+    """Kept group indices, ascending. scores: [P] float (one score per group, e.g. in-group reward std) -> [K] long.
+
+    Strategies (:data:`STRATEGIES`): ``top_k`` keeps max(1, floor(value × P)) groups (StarPO-S:
+    0.25), ``top_k_abs`` max(1, int(value)) groups, ``top_p`` a nucleus (``top_p_mode`` linear or
+    softmax; value 1.0 keeps all), ``min_p`` those within a factor ``value`` of the best, ``none``
+    all. ``largest=False`` prefers the lowest scores (the std_rev ablation). ``include_zero=False``
+    first drops groups whose score is 0 (no signal); K may then be 0, and the caller skips the update.
+    Ties go to the lower group index. Follows RAGEN-2's rollout filter (mll-lab-nu/RAGEN).
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be [P]; got shape {tuple(scores.shape)}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown filter strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    if strategy != "none" and not value > 0.0:
+        raise ValueError(f"filter value must be > 0 for strategy {strategy!r}; got {value}")
+    candidates = torch.arange(scores.numel())
+    if not include_zero:
+        candidates = candidates[scores.abs() > _ZERO]
+    if candidates.numel() == 0:
+        return candidates
+    picked = STRATEGIES[strategy](scores[candidates], value=value, largest=largest, n_groups=scores.numel(),
+                                  top_p_mode=top_p_mode, eps=eps)
+    return candidates[picked].sort().values.to(torch.long)
 
 
 def group_matrix(

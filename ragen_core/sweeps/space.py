@@ -1,7 +1,7 @@
 """What a sweep trial trains: the search space and its translation into ``--set`` overrides.
 
     from ragen_core.sweeps.space import grid_space, trial_overrides
-    grid_space(sweep)            # {"responses_per_prompt": [1, 2, 4], "algorithm.keep_ratio": [0.25, 0.5]}
+    grid_space(sweep)            # {"responses_per_prompt": [1, 2, 4], "algorithm.filter_value": [0.25, 0.5]}
     trial_overrides({"responses_per_prompt": 4}, base_cfg)
     # ['rollout.prompts_per_iter=32', 'rollout.responses_per_prompt=4']   (base P x N = 8 x 16)
 
@@ -9,7 +9,7 @@ The three named knobs have the paper's semantics (RAGEN §5, SPEC §5, §7):
 
 - ``responses_per_prompt: N`` at a fixed total batch P x N (Table 2): P = (base P x base N) / N,
   which must divide. N = 1 has no in-group std, so the StarPO-S filter is switched off for
-  that point (``filter_mode=none, keep_ratio=1.0``), as the paper's Table 2 row 1 must be.
+  that point (``filter_strategy=none, filter_value=1.0``), as the paper's Table 2 row 1 must be.
 - ``actions_per_turn: k`` (Table 3): ``max_actions_per_turn = k``, ``max_actions_per_episode = 5k``.
 - ``online_k: k`` (Online-k): ``trainer.online_k = k``; the config scales P by k itself.
 
@@ -83,10 +83,10 @@ def knob_overrides(knob: str, value: int, base: ExperimentConfig) -> list[str]:
                 f"P x N = {r.prompts_per_iter} x {r.responses_per_prompt} = {total} of the base experiment"
             )
         out = [f"rollout.prompts_per_iter={total // value}", f"rollout.responses_per_prompt={value}"]
-        if value == 1 and base.algorithm.filter_mode != "none":
+        if value == 1 and base.algorithm.filters:
             # A group of one has no reward std: the StarPO-S filter is undefined (SPEC §4), so the
             # N = 1 row trains on every group, like the paper's Table 2 must have.
-            out += ["algorithm.filter_mode=none", "algorithm.keep_ratio=1.0"]
+            out += ["algorithm.filter_strategy=none", "algorithm.filter_value=1.0"]
         return out
     if knob == "actions_per_turn":
         return [f"rollout.max_actions_per_turn={value}",

@@ -208,13 +208,15 @@ class _Meter:
 
 
 def update(
-    state: TrainState, batch: TokenBatch, cfg: ExperimentConfig, think_tokens: Sequence[float] | None = None
+    state: TrainState, batch: TokenBatch, cfg: ExperimentConfig, think_tokens: Sequence[float] | None = None,
+    advantage_scale: float = 1.0,
 ) -> UpdateStats:
     """All optimizer steps of one rollout batch: one per mini-batch (module step 3), × ``ppo_epochs``.
 
     batch: the (already filtered) rows to train on; think_tokens: optional
     ``<think>`` length per row (summed over its turns) for the response/
-    metrics. Returns namespaced metrics (actor/, critic/, response/, timing/, perf/).
+    metrics; advantage_scale: multiplies the advantages (the filter's ``advantage_scale``).
+    Returns namespaced metrics (actor/, critic/, response/, timing/, perf/).
     """
     started = time.perf_counter()
     algo, tr = cfg.algorithm, cfg.trainer
@@ -225,6 +227,7 @@ def update(
     old_values, ref_logprobs = _rollout_side(state, batch, cfg)
     rewards = _token_rewards(batch, ref_logprobs, algo)
     advantages, returns = compute_advantages(batch, rewards, old_values, algo)
+    advantages = advantages * advantage_scale
     train_critic = returns is not None and old_values is not None
 
     meter = _Meter()

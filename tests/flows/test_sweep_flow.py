@@ -52,7 +52,7 @@ def test_every_grid_point_ran_once(smoke_sweep) -> None:
     for t in trials:  # N = 1 runs without the filter, at P = 8 (fixed total 4 x 2)
         n = t.params["responses_per_prompt"]
         assert f"rollout.prompts_per_iter={8 // n}" in t.user_attrs["overrides"]
-        assert ("algorithm.filter_mode=none" in t.user_attrs["overrides"]) == (n == 1)
+        assert ("algorithm.filter_strategy=none" in t.user_attrs["overrides"]) == (n == 1)
         # evaluations of the untrained policy (step 0) and after the one update (step 1); objective: final
         assert [step for step, _ in t.user_attrs["curve"]] == [0, 1] and t.value == t.user_attrs["curve"][-1][1]
         assert set(t.user_attrs["val"]) == {"Bandit"} and sorted(t.intermediate_values) == [0, 1]

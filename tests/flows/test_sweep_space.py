@@ -60,10 +60,10 @@ def test_responses_per_prompt_keeps_the_total_batch(base: Path) -> None:
     # N = 1 -> P = 128; a group of one has no std, so the StarPO-S filter is switched off
     one = knob_overrides("responses_per_prompt", 1, cfg)
     assert one == ["rollout.prompts_per_iter=128", "rollout.responses_per_prompt=1",
-                   "algorithm.filter_mode=none", "algorithm.keep_ratio=1.0"]
+                   "algorithm.filter_strategy=none", "algorithm.filter_value=1.0"]
     built = load_experiment(base, one)
     assert built.rollout.prompts_per_iter * built.rollout.responses_per_prompt == 128
-    assert built.algorithm.filter_mode == "none" and built.algorithm.kl_coef == 0.0  # rest of StarPO-S kept
+    assert built.algorithm.filter_strategy == "none" and built.algorithm.kl_coef == 0.0  # rest of StarPO-S kept
     with pytest.raises(ConfigError, match="does not divide"):  # 128 % 3 = 2
         knob_overrides("responses_per_prompt", 3, cfg)
 
@@ -83,14 +83,14 @@ def test_actions_per_turn_and_online_k(base: Path) -> None:
 
 def test_trial_overrides_order_and_values(base: Path) -> None:
     cfg = load_experiment(base, ["trainer.iterations=3"])
-    params = {"algorithm.keep_ratio": 0.5, "responses_per_prompt": 8, "trainer.actor_lr": 1e-6,
+    params = {"algorithm.filter_value": 0.5, "responses_per_prompt": 8, "trainer.actor_lr": 1e-6,
               "rollout.think": False, "base": "ignored"}
     # sweep overrides first, then knobs, then space keys (later wins in load_experiment)
     assert trial_overrides(params, cfg, ["trainer.iterations=3"]) == [
         "trainer.iterations=3", "rollout.prompts_per_iter=16", "rollout.responses_per_prompt=8",
-        "algorithm.keep_ratio=0.5", "trainer.actor_lr=1.0e-06", "rollout.think=false"]
+        "algorithm.filter_value=0.5", "trainer.actor_lr=1.0e-06", "rollout.think=false"]
     built = load_experiment(base, trial_overrides(params, cfg, ["trainer.iterations=3"]))
-    assert built.trainer.actor_lr == 1e-6 and built.rollout.think is False and built.algorithm.keep_ratio == 0.5
+    assert built.trainer.actor_lr == 1e-6 and built.rollout.think is False and built.algorithm.filter_value == 0.5
 
 
 @pytest.mark.parametrize("value", [1e-6, 0.25, 3, True, False, "none", "1e-6", None, "a b"])
@@ -105,12 +105,12 @@ def test_yaml_value_round_trips(value: object) -> None:
 
 def test_plan_of_a_grid_sweep(base: Path, tmp_path: Path) -> None:
     plan = plan_sweep(sweep_file(tmp_path, "knobs: {responses_per_prompt: [1, 2, 4]}\n"
-                                           "space: {algorithm.keep_ratio: [0.25, 0.5]}\n"))
-    assert plan.grid == {"responses_per_prompt": [1, 2, 4], "algorithm.keep_ratio": [0.25, 0.5]}
+                                           "space: {algorithm.filter_value: [0.25, 0.5]}\n"))
+    assert plan.grid == {"responses_per_prompt": [1, 2, 4], "algorithm.filter_value": [0.25, 0.5]}
     assert plan.target == 6 and plan.table_keys == ["responses_per_prompt"]
-    path, overrides = trial_experiment(plan.sweep, {"responses_per_prompt": 2, "algorithm.keep_ratio": 0.5},
+    path, overrides = trial_experiment(plan.sweep, {"responses_per_prompt": 2, "algorithm.filter_value": 0.5},
                                        plan.bases)
-    assert Path(path) == base and overrides[-1] == "algorithm.keep_ratio=0.5"
+    assert Path(path) == base and overrides[-1] == "algorithm.filter_value=0.5"
     capped = plan_sweep(sweep_file(tmp_path, "knobs: {online_k: [1, 2, 5, 10]}\nn_trials: 2\n"))
     assert capped.target == 2
 
@@ -127,8 +127,8 @@ def test_several_bases_are_a_grid_dimension(base: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(("body", "match"), [
     ("knobs: {responses_per_prompt: [3]}\n", "does not divide"),
     ("knobs: {turns: [1, 2]}\n", "unknown"),
-    ("space: {algorithm.keep_ratio: {low: 0.1, high: 0.5}}\n", "needs a list of values or a range with a step"),
-    ("sampler: tpe\nspace: {algorithm.keep_ratio: {low: 0.1, high: 0.5}}\n", "needs n_trials"),
+    ("space: {algorithm.filter_value: {low: 0.1, high: 0.5}}\n", "needs a list of values or a range with a step"),
+    ("sampler: tpe\nspace: {algorithm.filter_value: {low: 0.1, high: 0.5}}\n", "needs n_trials"),
     ("knobs: {online_k: [1, 2]}\ncost_objective: generated_tokens\n", "cannot prune a two-objective"),
     ("knobs: {responses_per_prompt: [2]}\nspace: {rollout.prompts_per_iter: [4]}\n", "set by the knob"),
     ("knobs: {online_k: [1]}\noverrides: [eval.every=0]\n", "eval.every = 0"),

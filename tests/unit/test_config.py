@@ -46,23 +46,26 @@ def test_every_field_has_a_doc() -> None:
     assert all(docs.values()), [k for k, v in docs.items() if not v]
 
 
-@pytest.mark.parametrize("preset,filter_mode,keep,kl,clip_high,algo", [
-    ("starpo", "none", 1.0, 0.001, 0.2, "starpo"),
-    ("starpo-s", "std", 0.25, 0.0, 0.28, "starpo-s"),
-    ("grpo", "none", 1.0, 0.001, 0.2, "grpo"),
+@pytest.mark.parametrize("preset,strategy,value,include_zero,kl,clip_high,algo", [
+    ("starpo", "none", 1.0, True, 0.001, 0.2, "starpo"),
+    ("starpo-s", "top_k", 0.25, True, 0.0, 0.28, "starpo-s"),
+    ("grpo", "none", 1.0, True, 0.001, 0.2, "grpo"),
+    ("starpo-s-snr", "top_p", 0.9, False, 0.0, 0.28, "starpo-s"),  # RAGEN-2's recommended filter
 ])
-def test_presets(tmp_path, preset, filter_mode, keep, kl, clip_high, algo) -> None:
+def test_presets(tmp_path, preset, strategy, value, include_zero, kl, clip_high, algo) -> None:
     cfg = load_experiment(write(tmp_path, f"preset: {preset}\n"))
     a = cfg.algorithm
-    assert (a.filter_mode, a.keep_ratio, a.kl_coef, a.clip_low, a.clip_high) == (filter_mode, keep, kl, 0.2, clip_high)
+    assert (a.filter_strategy, a.filter_value, a.filter_include_zero, a.kl_coef, a.clip_low, a.clip_high) == \
+           (strategy, value, include_zero, kl, 0.2, clip_high)
+    assert a.filter_metric == "reward_std" and a.filter_largest
     assert cfg.algo_tag == algo
     assert cfg.algorithm.uses_reference == (kl > 0)
 
 
 def test_file_values_win_over_preset_and_overrides_win_over_file(tmp_path) -> None:
-    p = write(tmp_path, "preset: starpo-s\nalgorithm: {keep_ratio: 0.5}\ntrainer: {iterations: 7}\n")
+    p = write(tmp_path, "preset: starpo-s\nalgorithm: {filter_value: 0.5}\ntrainer: {iterations: 7}\n")
     cfg = load_experiment(p, ["trainer.iterations=3", "rollout.think=false", "env.params.size=6"])
-    assert cfg.algorithm.keep_ratio == 0.5 and cfg.algorithm.clip_high == 0.28
+    assert cfg.algorithm.filter_value == 0.5 and cfg.algorithm.clip_high == 0.28
     assert cfg.trainer.iterations == 3 and cfg.rollout.think is False
     assert cfg.env.params == {"size": 6}
 
@@ -95,7 +98,11 @@ def test_derived_values_are_properties(tmp_path) -> None:
     ("rollout: {think: 1}\n", "rollout.think: expected true or false"),
     ("algorithm: {estimator: ppo}\n", "algorithm.estimator: 'ppo' is not allowed; choose one of ['gae', 'grpo', 'bilevel_gae']"),
     ("rollout: {responses_per_prompt: -4}\n", "rollout.responses_per_prompt: -4 is out of range; must be >= 1"),
-    ("algorithm: {keep_ratio: 1.5}\n", "algorithm.keep_ratio: 1.5 is out of range; must be <= 1.0"),
+    ("algorithm: {filter_strategy: top_k, filter_value: 1.5}\n",
+     "algorithm.filter_value: 1.5 is out of range for top_k (a fraction); must be <= 1.0"),
+    ("algorithm: {keep_ratio: 0.5}\n", "algorithm.keep_ratio: replaced by algorithm.filter_value"),
+    ("algorithm: {filter_mode: std_rev}\n", "algorithm.filter_mode: replaced by algorithm.filter_strategy"),
+    ("preset: starpo-s\nrollout: {responses_per_prompt: 1}\n", "needs in-group std"),
     ("eval: {envs: [{name: Bandit, colour: red}]}\n", "eval.envs[0].colour: unknown key"),
     ("trainer: {betas: [0.9]}\n", "trainer.betas: expected a list of 2 values"),
     ("rollout: 3\n", "rollout: expected a mapping, got int"),
@@ -148,7 +155,7 @@ def test_cross_field_checks(tmp_path) -> None:
 
 def test_loading_does_not_mutate_presets(tmp_path) -> None:
     before = repr(PRESETS)
-    load_experiment(write(tmp_path, "preset: starpo-s\nalgorithm: {keep_ratio: 0.5}\n"), ["algorithm.clip_high=0.3"])
+    load_experiment(write(tmp_path, "preset: starpo-s\nalgorithm: {filter_value: 0.5}\n"), ["algorithm.clip_high=0.3"])
     assert repr(PRESETS) == before
 
 

@@ -142,7 +142,7 @@ def test_filter_on_total_counts_format_penalties() -> None:
     # filter_on return: both stds 0, the tie keeps group 0. filter_on total (the reference's): group 1.
     trajs = [_traj(0, 0.0, 0.0) for _ in range(4)] + [_traj(1, 0.0, p) for p in (-0.1, -0.1, -0.1, 0.0)]
     batch = _batch(trajs)
-    keep_half = {"filter_mode": "std", "keep_ratio": 0.5}
+    keep_half = {"filter_strategy": "top_k", "filter_value": 0.5}
     on_return = filter_batch(batch, trajs, AlgorithmConfig(**keep_half))
     on_total = filter_batch(batch, trajs, AlgorithmConfig(**keep_half, filter_on="total"))
     assert on_return.kept_groups.tolist() == [0] and on_total.kept_groups.tolist() == [1]

@@ -130,3 +130,64 @@ def test_no_argument_mutated() -> None:
     values, ids = torch.tensor([2.0, 1.0]), torch.tensor([1, 1])
     filtering.group_matrix(values, ids)
     assert values.tolist() == [2.0, 1.0] and ids.tolist() == [1, 1]
+
+
+# --------------------------------------------------------------------------- select_groups (RAGEN-2, SPEC §8)
+# Golden values by hand. SCORES = (0.5, 0.0, 2.0, 1.0, 0.5): P = 5, sum 4.0; best-first order 2, 3, 0, 4, 1
+# (the tie at 0.5 goes to the lower index, 0 before 4).
+SCORES = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.5])
+
+
+def _sel(strategy: str, value: float, scores: torch.Tensor = SCORES, **kw: object) -> list[int]:
+    return filtering.select_groups(scores, strategy, value, **kw).tolist()
+
+
+def test_select_top_k_fraction_and_count() -> None:
+    assert _sel("top_k", 0.4) == [2, 3]  # floor(0.4 x 5) = 2
+    assert _sel("top_k", 0.6) == [0, 2, 3]  # 3: the tie at 0.5 keeps group 0, not 4
+    assert _sel("top_k", 0.1) == [2]  # floor(0.5) = 0 -> at least 1
+    assert _sel("top_k", 0.4, largest=False) == [0, 1]  # lowest: 0.0 (group 1), then 0.5 (group 0)
+    assert _sel("top_k_abs", 1) == [2] and _sel("top_k_abs", 10) == [0, 1, 2, 3, 4]
+
+
+def test_select_top_p_linear() -> None:
+    # value 0.5: threshold 0.5 x 4 - 0.01 = 1.99; 2.0 reaches it -> group 2 alone
+    assert _sel("top_p", 0.5) == [2]
+    # value 0.8: threshold 3.19; 2.0, 3.0, 3.5 (group 0) reaches it -> 2, 3, 0
+    assert _sel("top_p", 0.8) == [0, 2, 3]
+    # value 0.9: threshold 3.59; 2.0, 3.0, 3.5, 4.0 (group 4) -> all but the zero group
+    assert _sel("top_p", 0.9) == [0, 2, 3, 4]
+    assert _sel("top_p", 0.9, include_zero=False) == [0, 2, 3, 4]
+    assert _sel("top_p", 1.0) == [0, 1, 2, 3, 4]  # 1.0 keeps every group, as in the reference
+
+
+def test_select_top_p_softmax() -> None:
+    # exp(0.5, 0, 2, 1, 0.5) = 1.6487, 1, 7.3891, 2.7183, 1.6487; sum 14.4048
+    # best-first masses 0.51297, then +0.18871 = 0.70168
+    assert _sel("top_p", 0.5, top_p_mode="softmax") == [2]  # 0.513 >= 0.5 at once
+    assert _sel("top_p", 0.7, top_p_mode="softmax") == [2, 3]  # 0.70168 >= 0.7 at the second
+
+
+def test_select_min_p() -> None:
+    assert _sel("min_p", 0.5) == [2, 3]  # >= 0.5 x max 2.0 = 1.0
+    assert _sel("min_p", 0.5, largest=False) == [1]  # <= min 0.0 / 0.5 = 0
+
+
+def test_select_all_zero_scores_and_one_prompt() -> None:
+    zero = torch.zeros(4)
+    # linear top-p: threshold 0.9 x 0 - 0.01 < 0 is met before any group: nothing kept (the reference's rule)
+    assert _sel("top_p", 0.9, zero) == []
+    assert _sel("top_p", 0.9, zero, include_zero=False) == []  # every group dropped first
+    assert _sel("top_k", 0.25, zero) == [0]  # a tie of four: the lowest index
+    assert _sel("none", 1.0, zero) == [0, 1, 2, 3]
+    one = torch.tensor([0.3])  # N = 1 prompt: threshold 0.9 x 0.3 - 0.01 = 0.26, reached by 0.3
+    assert _sel("top_p", 0.9, one) == [0] and _sel("top_k", 0.25, one) == [0] and _sel("min_p", 0.5, one) == [0]
+
+
+def test_select_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="strategy"):
+        _sel("top_q", 0.5)
+    with pytest.raises(ValueError, match=r"\[P\]"):
+        filtering.select_groups(torch.zeros(2, 2), "top_k", 0.5)
+    with pytest.raises(ValueError, match="> 0"):
+        _sel("top_k", 0.0)

@@ -47,9 +47,9 @@ def _batch(prompt: list[int], gens, rewards: list[float]) -> TokenBatch:
 
 
 def test_tiny_model_learns_a_single_turn_task() -> None:
-    # keep_ratio 1.0: every group holds the same prompt here, so the filter has nothing to choose
+    # filter_value 1.0: every group holds the same prompt here, so the filter has nothing to choose
     # between (it still runs); with 32 rows the run learns within ~5 iterations for model seeds 0-4.
-    cfg = make_cfg("starpo-s", "trainer.actor_lr=0.05", "trainer.critic_lr=0.01", "algorithm.keep_ratio=1.0",
+    cfg = make_cfg("starpo-s", "trainer.actor_lr=0.05", "trainer.critic_lr=0.01", "algorithm.filter_value=1.0",
                    "rollout.responses_per_prompt=8", "trainer.micro_batch_size=16")
     state = init_state(cfg)
     tokenizer = load_tokenizer(cfg.model.name)

@@ -219,10 +219,10 @@ def test_kl_in_reward_lowers_rewards_on_generated_tokens() -> None:
 
 def test_filter_batch_keeps_whole_highest_std_groups() -> None:
     # 3 groups of 4: returns by group [0,0,0,0] (std 0), [1,0,1,0] (std 0.577), [1,1,1,0] (std 0.5).
-    # keep_ratio 0.34 keeps floor(0.34*3) = 1 group: group 1, the highest std.
+    # filter_value 0.34 keeps floor(0.34*3) = 1 group: group 1, the highest std.
     batch = make_batch(n_groups=3, group_size=4)
     returns = torch.tensor([0, 0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 0], dtype=torch.float32)
-    algo = make_cfg("starpo-s", "algorithm.keep_ratio=0.34").algorithm
+    algo = make_cfg("starpo-s", "algorithm.filter_value=0.34").algorithm
     kept = filter_batch(batch, returns, algo)
     assert kept.kept_groups.tolist() == [1]
     assert kept.rows.tolist() == [4, 5, 6, 7]
@@ -238,3 +238,51 @@ def test_filter_batch_none_keeps_everything() -> None:
     algo = make_cfg("starpo").algorithm
     kept = filter_batch(batch, torch.zeros(8), algo)
     assert kept.rows.tolist() == list(range(8)) and kept.metrics["rollout/kept_ratio"] == 1.0
+
+
+def test_filter_batch_scores_entropy_and_length_from_the_rollout() -> None:
+    # Two groups of two, hand-made: loss tokens with sampling log-probs.
+    #   group 0: rows of 2 tokens (-1, -1) and 2 tokens (-3, -3): per-row entropy 1 and 3 -> mean 2, std 1.414
+    #   group 1: rows of 1 token (-2) and 3 tokens (-2, -2, -2): entropy 2 and 2 -> mean 2, std 0; length mean 2 vs 2
+    batch = make_batch(n_groups=2, group_size=2)
+    mask = torch.zeros_like(batch.loss_mask)
+    logp = torch.zeros_like(batch.old_logprobs)
+    for row, values in enumerate([[-1, -1], [-3, -3], [-2], [-2, -2, -2]]):
+        mask[row, : len(values)] = True
+        logp[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    batch = type(batch)(**{**vars(batch), "loss_mask": mask, "old_logprobs": logp})
+    returns = torch.zeros(4)
+
+    def kept(*overrides: str) -> list[int]:
+        algo = make_cfg("starpo-s", "rollout.responses_per_prompt=2", *overrides).algorithm
+        return filter_batch(batch, returns, algo).kept_groups.tolist()
+
+    assert kept("algorithm.filter_metric=entropy_std", "algorithm.filter_value=0.5") == [0]
+    assert kept("algorithm.filter_metric=entropy_std", "algorithm.filter_value=0.5", "algorithm.filter_largest=false") == [1]
+    assert kept("algorithm.filter_metric=length", "algorithm.filter_value=0.5") == [0]  # a tie: lower index
+    # zero-std groups dropped first (RAGEN-2): all rewards equal -> nothing kept, the caller skips the update
+    empty = filter_batch(batch, returns, make_cfg("starpo-s-snr", "rollout.responses_per_prompt=2").algorithm)
+    assert empty.kept_groups.tolist() == [] and empty.batch.batch_size == 0 and empty.metrics["rollout/kept_ratio"] == 0
+
+
+@pytest.mark.parametrize(("scale", "expected"), [("none", 1.0), ("linear", 0.25), ("sqrt", 0.5)])
+def test_filter_advantage_scale_follows_the_kept_fraction(scale: str, expected: float) -> None:
+    batch = make_batch(n_groups=4, group_size=2)
+    returns = torch.tensor([0, 1, 0, 0, 0, 0, 0, 0], dtype=torch.float32)  # only group 0 has signal
+    algo = make_cfg("starpo-s", "rollout.responses_per_prompt=2", f"algorithm.filter_adv_scale={scale}").algorithm
+    result = filter_batch(batch, returns, algo)  # top_k 0.25 of 4 groups: 1 kept -> fraction 0.25
+    assert result.kept_groups.tolist() == [0] and result.advantage_scale == pytest.approx(expected)
+
+
+def test_advantage_scale_scales_the_policy_gradient() -> None:
+    # With no entropy bonus and no KL, the clipped surrogate is linear in positively scaled advantages
+    # (clipping depends only on their sign): half the advantages, half the gradient.
+    cfg = make_cfg("grpo", "algorithm.kl_coef=0.0", "algorithm.entropy_coef=0.0")
+    grads = {}
+    for scale in (1.0, 0.5):
+        state = init_state(cfg)
+        seen = _capture_grads(state.actor_engine)
+        update(state, make_batch(), cfg, advantage_scale=scale)
+        grads[scale] = seen[0]
+    for full, half in zip(grads[1.0], grads[0.5]):
+        torch.testing.assert_close(half, 0.5 * full, atol=1e-7, rtol=1e-5)
