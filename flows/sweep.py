@@ -120,6 +120,8 @@ def objective(trial: Any, plan: SweepPlan, url: str, parent_run_id: str | None) 
     attrs = trial.study._storage.get_trial(trial._trial_id).user_attrs  # written by the trial's reporter
     if attrs.get("pruned_at") is not None:
         raise optuna.TrialPruned(f"{plan.sweep.metric} below the median at iteration {attrs['pruned_at']}")
+    if attrs.get("health_stop") and plan.sweep.prune_on_health:
+        raise optuna.TrialPruned(attrs["health_stop"])
     value = objective_value(attrs.get("curve") or [], plan.sweep.objective, plan.sweep.direction)
     if plan.sweep.cost_objective == "none":
         return value

@@ -256,6 +256,26 @@ class HealthConfig:
     entropy_drop: float = F(0.5, "warn when entropy falls below this fraction of its early level", gt=0.0, le=1.0)
     grad_z: float = F(4.0, "a grad-norm z-score above this counts as a spike", gt=0.0)
     patience: int = F(3, "consecutive unhealthy iterations before acting", ge=1)
+    # RAGEN-2's early-stop rules and the template-collapse rule (tracking/early_stop.py, SPEC §8)
+    std_rule: Literal["warn", "stop", "off"] = F("warn", "reward std under std_rule_frac of its early mean for "
+                                                         "std_rule_patience iterations")
+    std_rule_frac: float = F(0.1, "fraction of the early reward std (RAGEN-2: 10%)", gt=0.0, le=1.0)
+    std_rule_baseline: int = F(10, "iterations that define the early reward std (RAGEN-2: 10)", ge=1)
+    std_rule_patience: int = F(10, "iterations in a row (RAGEN-2: 10)", ge=1)
+    val_rule: Literal["warn", "stop", "off"] = F("warn", "validation success under val_rule_threshold for "
+                                                         "val_rule_patience validations")
+    val_rule_threshold: float = F(0.01, "validation success threshold (RAGEN-2: 1%)", ge=0.0, le=1.0)
+    val_rule_patience: int = F(5, "validations in a row (RAGEN-2: 5)", ge=1)
+    empty_rule: Literal["warn", "stop", "off"] = F("warn", "the filter kept nothing for empty_rule_patience iterations")
+    empty_rule_patience: int = F(5, "iterations in a row (RAGEN-2: 5)", ge=1)
+    template_rule: Literal["warn", "stop", "off"] = F("warn", "template collapse: first-turn MI falls while "
+                                                              "entropy holds (needs diagnostics.collapse_every)")
+    template_mi_frac: float = F(0.3, "MI under this fraction of its early level is a signal", gt=0.0, le=1.0)
+    template_mi_floor: float = F(0.05, "MI under this fraction of log N is a signal", ge=0.0, le=1.0)
+    template_entropy_hold: float = F(0.7, "entropy still at this fraction of its early level (it 'holds')",
+                                     ge=0.0, le=1.0)
+    template_baseline: int = F(3, "MI measurements that define its early level", ge=1)
+    template_patience: int = F(2, "MI measurements in a row", ge=1)
 
 
 PRESET_NAMES = ("starpo", "starpo-s", "grpo", "starpo-s-snr", "custom")
@@ -390,6 +410,8 @@ class SweepConfig:
     metric: str = F("val/success", "validation metric reported to Optuna per evaluation and optimised (a key of history.jsonl)")
     pruner_startup_trials: int = F(5, "finished trials before the pruner may stop one (Optuna's n_startup_trials)", ge=0)
     retries: int = F(1, "times a trial whose worker died (heartbeat lost) runs again as a new trial", ge=0)
+    prune_on_health: bool = F(True, "prune a trial whose run a health check stopped (health.* rules with "
+                                    "action stop: Echo Trap, RAGEN-2's early stops, template collapse)")
     dispatch: Literal["local", "deployment"] = F("local", "run trials in the sweep's worker processes, or as runs of a Prefect deployment")
     deployment: str = F("ragen-train/ragen-train", "deployment (flow/deployment) of the train flow used when dispatch is deployment")
 

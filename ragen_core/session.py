@@ -66,6 +66,7 @@ class Session:
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, tokenizer: Any, state: Any, generator: Any,
                  logger: Any, monitor: Any, model_max_length: int | None, history: list[dict[str, float]],
+                 rules: Any,
                  say: Callable[[str], None] = print,
                  progress: Callable[[str, int, int], None] | None = None) -> None:
         self.cfg = cfg
@@ -76,6 +77,7 @@ class Session:
         self.generator = generator  # ragen_core.rollout.generators.Generator
         self.logger = logger  # ragen_core.tracking.MetricLogger
         self.monitor = monitor  # ragen_core.tracking.CollapseMonitor
+        self.rules = rules  # ragen_core.tracking.EarlyStopRules
         self.model_max_length = model_max_length
         self.history = history
         self.stop_reason: str | None = None
@@ -143,7 +145,7 @@ def open_session(
     """Build (or, when ``run_dir`` holds a checkpoint, restore) everything a run needs."""
     from ragen_core.models import load_model, load_tokenizer
     from ragen_core.rollout.generators import make_generator
-    from ragen_core.tracking import CollapseMonitor
+    from ragen_core.tracking import CollapseMonitor, EarlyStopRules
     from ragen_core.trainer import init_state, load_checkpoint
 
     run_dir = run_dir or data_dir() / "runs" / new_run_name(cfg)
@@ -160,8 +162,13 @@ def open_session(
     h = cfg.health
     monitor = CollapseMonitor(h.baseline_iters, h.std_drop, h.entropy_drop, h.grad_z, h.patience,
                               "off" if h.action == "off" else h.action)
+    rules = EarlyStopRules.from_config(h)
     if ckpt and (ckpt / "health.json").exists():
-        monitor.load_state_dict(json.loads((ckpt / "health.json").read_text()))
+        saved = json.loads((ckpt / "health.json").read_text())
+        if "echo" not in saved:  # a checkpoint from before the early-stop rules: the monitor's state alone
+            saved = {"echo": saved, "rules": {}}
+        monitor.load_state_dict(saved["echo"])
+        rules.load_state_dict(saved["rules"])
     history = _read_history(run_dir, state.iteration)
     tokenizer = load_tokenizer(model_spec)
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
@@ -170,7 +177,8 @@ def open_session(
                                    **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
                                       if cfg.rollout.backend == "hf" else {}))
     (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
-    return Session(cfg, run_dir, tokenizer, state, generator, logger, monitor, max_len, history, say, progress)
+    return Session(cfg, run_dir, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,
+                   progress)
 
 
 def _yaml(data: dict[str, Any]) -> str:
@@ -294,6 +302,7 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
     """Health check, metrics to the logger, the Parquet shard, readable samples, one summary line."""
     from ragen_core.store import write_shard
     from ragen_core.tracking import trajectories_text
+    from ragen_core.tracking.early_stop import HEALTH_STOP
 
     cfg, step = sess.cfg, rollouts.iteration
     metrics = {**rollouts.metrics, **selection.metrics, **stats.metrics, **(val or {})}
@@ -303,7 +312,15 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
     if report.warning:
         sess.say(f"[health] {report.warning}")
     if report.stop and cfg.health.action == "stop":
-        sess.stop_reason = report.reason or "collapse detected"
+        sess.stop_reason = f"{HEALTH_STOP} {report.reason or 'collapse detected'}"
+    rules = sess.rules.update(step, metrics)  # RAGEN-2's early stops and template collapse (SPEC §8)
+    metrics.update(rules.metrics)
+    for line in rules.warnings:
+        sess.say(f"[health] {line}")
+    if rules.fired:
+        sess.logger.set_tags({f"health.{rule}": str(step) for rule in rules.fired})
+    if rules.stop and sess.stop_reason is None:
+        sess.stop_reason = f"{HEALTH_STOP} {rules.reason}"
     shard = write_shard(sess.run_dir, step, rollouts.trajectories, selection.kept)
     sess.logger.log_metrics(metrics, step=step)
     every = cfg.tracking.artifact_every
@@ -342,7 +359,8 @@ def save_run_checkpoint(sess: Session) -> Path:
 
     target = sess.run_dir / "checkpoints" / f"iter={sess.iteration:06d}"
     save_checkpoint(sess.state, target)
-    (target / "health.json").write_text(json.dumps(sess.monitor.state_dict()))
+    (target / "health.json").write_text(json.dumps({"echo": sess.monitor.state_dict(),
+                                                    "rules": sess.rules.state_dict()}))
     for old in sorted((sess.run_dir / "checkpoints").glob("iter=*"))[:-CHECKPOINTS_KEPT]:
         shutil.rmtree(old, ignore_errors=True)
     return target

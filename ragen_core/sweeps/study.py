@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ragen_core.config import ConfigError, SweepConfig, data_dir
 from ragen_core.sweeps.objective import run_cost
+from ragen_core.tracking.early_stop import HEALTH_STOP
 
 if TYPE_CHECKING:
     import optuna
@@ -64,7 +65,8 @@ __all__ = [
 log = logging.getLogger("ragen")
 
 PRUNED_REASON = "pruned by optuna"
-RESULT_ATTRS = ("curve", "val", "cost", "pruned_at", "mlflow_run_id", "run_dir", "skipped", "interrupted")
+RESULT_ATTRS = ("curve", "val", "cost", "pruned_at", "health_stop", "mlflow_run_id", "run_dir", "skipped",
+                "interrupted")
 """User attributes a trial writes; cleared at the start of a trial (a retry inherits the failed one's)."""
 
 
@@ -203,6 +205,8 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
         for key, attr in (("run_dir", str(sess.run_dir)), ("curve", curve), ("val", per_env), ("cost", cost),
                           ("mlflow_run_id", sess.logger.run_id)):
             trial.set_user_attr(key, attr)
+        if sess.stop_reason and sess.stop_reason.startswith(HEALTH_STOP):  # a health rule ended the run
+            trial.set_user_attr("health_stop", sess.stop_reason)
         if not single:
             return
         trial.report(value, step)

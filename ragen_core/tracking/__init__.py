@@ -6,12 +6,14 @@
 - :func:`flatten_config`, :func:`log_config`, :func:`run_tags`, :func:`trajectories_text`:
   params, tags and readable artifacts of a run.
 - :class:`CollapseMonitor`: ``health/*`` metrics, warning and clean stop (RAGEN §4).
+- :class:`EarlyStopRules`: RAGEN-2's early-stop rules and the template-collapse rule (SPEC §8).
 - :func:`plot_curves`: PNG curves for the end of a run and ``ragen compare``.
 
 Only this package imports mlflow, and only when an MLflowLogger is used; importing it is
 cheap. Tests: ``.venv/bin/python -m pytest tests/unit/tracking -q``.
 """
 
+from ragen_core.tracking.early_stop import EarlyStopRules, RulesReport
 from ragen_core.tracking.health import CollapseMonitor, HealthReport, MonitorState
 from ragen_core.tracking.logger import NAMESPACES, MetricLogger, NullLogger, check_metric_names
 from ragen_core.tracking.mlflow_logger import MLflowLogger, default_tracking_uri, deliver_pending
@@ -28,11 +30,13 @@ from ragen_core.tracking.run_meta import (
 __all__ = [
     "NAMESPACES",
     "CollapseMonitor",
+    "EarlyStopRules",
     "HealthReport",
     "MLflowLogger",
     "MetricLogger",
     "MonitorState",
     "NullLogger",
+    "RulesReport",
     "check_metric_names",
     "config_yaml",
     "default_tracking_uri",

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = ["NAMESPACES", "MetricLogger", "NullLogger", "check_metric_names"]
 
 NAMESPACES: tuple[str, ...] = (
-    "env", "rollout", "actor", "critic", "response", "val", "timing", "perf", "health",
+    "env", "rollout", "actor", "critic", "response", "val", "timing", "perf", "health", "collapse",
 )
 """The only allowed first path segments of a metric name."""
 

@@ -183,3 +183,19 @@ def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_di
     assert trial.intermediate_values == ({1: 0.75} if cost == "none" else {})  # Optuna: none for 2 objectives
     assert trial.user_attrs["mlflow_run_id"] == "remote-run" and trial.user_attrs["val"] == {"Bandit": 0.75}
     assert trial.user_attrs["cost"]["generated_tokens"] == 64.0
+
+
+def test_a_trial_stopped_by_a_health_rule_is_pruned(data_dir, tmp_path) -> None:
+    # Issue 15: a sweep prunes on the health rules. The tiny model's validation success is 0, so a val rule
+    # with patience 1 and action stop ends each trial's run at its first evaluation; with prune_on_health
+    # (the default) the trial is PRUNED and says why; with it off the trial completes.
+    rule = ["health.val_rule=stop", "health.val_rule_patience=1", "health.val_rule_threshold=1.0"]
+    fast = [*FAST, "trainer.iterations=2", *rule]
+    sweep(sweep_file=str(write_sweep(tmp_path, "health", "knobs: {online_k: [1]}\npruner: none\n", fast)))
+    (trial,) = load("health", data_dir).get_trials()
+    assert trial.state.name == "PRUNED"
+    assert trial.user_attrs["health_stop"].startswith("health: health rule val_success at step 0")
+    sweep(sweep_file=str(write_sweep(tmp_path, "health-kept", "knobs: {online_k: [1]}\npruner: none\n"
+                                                             "prune_on_health: false\n", fast)))
+    (kept,) = load("health-kept", data_dir).get_trials()
+    assert kept.state.name == "COMPLETE" and kept.user_attrs["health_stop"]

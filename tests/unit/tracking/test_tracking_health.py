@@ -156,5 +156,13 @@ def test_bad_thresholds_are_refused(kwargs: dict) -> None:
 def test_accepts_the_health_config_section() -> None:
     from ragen_core.config import ExperimentConfig, to_dict
 
-    mon = CollapseMonitor(**to_dict(ExperimentConfig().health))
+    from ragen_core.tracking import EarlyStopRules
+
+    echo_keys = ("action", "baseline_iters", "std_drop", "entropy_drop", "grad_z", "patience")
+    health = ExperimentConfig().health
+    mon = CollapseMonitor(**{k: v for k, v in to_dict(health).items() if k in echo_keys})
     assert (mon.baseline_iters, mon.std_drop, mon.patience, mon.action) == (5, 0.3, 3, "warn")
+    rules = EarlyStopRules.from_config(health)  # the rest of the section: RAGEN-2's rules, warn by default
+    assert rules.actions == {"reward_std": "warn", "val_success": "warn", "empty_filter": "warn", "template": "warn"}
+    assert (rules.std_frac, rules.std_baseline, rules.std_patience, rules.val_patience, rules.empty_patience) == \
+           (0.1, 10, 10, 5, 5)
