@@ -132,7 +132,7 @@ def model_warmup(
     set_: SetOpt = None,
     force: Annotated[bool, typer.Option(help="train again even if a cached warmed model exists")] = False,
 ) -> None:
-    """Short supervised format warm-up: teaches <think>/<answer> with random valid actions, not the task."""
+    """Short format warm-up (model.warmup: self_distill): the model's own sampled thoughts put in <think>/<answer>."""
     cfg = _load(experiment, set_)
     from ragen_core.trainer.warmup import warmup_model
 

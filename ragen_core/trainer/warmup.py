@@ -1,28 +1,51 @@
-"""Format warm-up (issue 5): a short supervised fine-tune that teaches the reply format, not the task.
+"""Format warm-up (issue 5, issue 12 item 5): a short fine-tune that teaches the reply format, not the task
+and not what to think.
 
     from ragen_core.trainer.warmup import warmup_model
-    path = warmup_model(cfg)            # models/warmup-<base>-<env>-<hash12>/, built once, then cached
+    path = warmup_model(cfg)            # models/warmup-self_distill-<base>-<env>-<hash12>/, built once, then cached
     model, tok = load_model(str(path)), load_tokenizer(str(path))
 
-or ``ragen model warmup EXP.yaml [--force]``, or ``model.warmup: true`` in an experiment.
+or ``ragen model warmup EXP.yaml [--force]``, or ``model.warmup: self_distill`` in an experiment
+(``none``: start from the model as it is; every experiment file says which).
 
-Why: a small instruct model (SmolLM2-135M) almost never writes ``<think>..</think><answer>..</answer>``
-unprompted, so every trajectory gets the same format penalty and the in-group reward std that
-StarPO needs (SPEC §4) is zero: RL has no signal.
+Why: a small instruct model (SmolLM2-135M) almost never closes ``<think>..</think><answer>..</answer>``
+even when the prompt ends with the ``<think>`` prefill (0 of 32 first Sokoban turns, measured), so every
+trajectory gets the same format penalty and the in-group reward std that StarPO needs (SPEC §4) is zero:
+RL has no signal.
 
-What it trains on: synthetic dialogues played by the REAL rollout loop (``rollout.loop.run_rollouts``)
-with :class:`RandomFormatGenerator` in place of a model. It answers every turn with a short generic
-thought from :data:`GENERIC_THOUGHTS` and 1..max_actions_per_turn uniformly random valid actions
-(``env.sample_action``), so prompts, multi-turn transitions (the next state, the reward line) and the
-chat template are byte-for-byte what rollouts show, and :func:`rollout.batch.build_token_batch` builds
-the rows with the loss mask on exactly the reply tokens. Actions are random, so the fine-tune carries
-no task knowledge: task success should stay at the random-policy level (the success rate of these very
-dialogues, :func:`random_policy_stats`).
+Method ``self_distill``: the thoughts are the model's OWN. Dialogues are played by the REAL rollout loop
+(``rollout.loop.run_rollouts``) on env seeds of their own, with :class:`SelfDistillGenerator` wrapping the
+model's hf generator. For every turn the model samples its continuation of the real prompt (which ends with
+the ``<think>`` prefill) at temperature 1.0; the reply kept is
 
-The warmed model is cached under ``models_dir()`` with a key over everything that changes what it
-learns (base model and its fingerprint, env, format switches, prompt budgets, steps, lr, format
-version), written to a staging directory and renamed into place with the ``ragen-model.json`` marker
-written last (``ragen_core.models`` helpers), so a second call returns at once.
+- the thought: the model's sampled token ids, up to where the model closed the block itself (``</think>``,
+  or any other tag it wrote first), else cut at its last sentence end (``. ! ?`` or a line break) within
+  :func:`thought_cap` tokens (half the reply budget, at most :data:`THOUGHT_TOKENS`), else at a word
+  boundary there: nothing of the model's text is rewritten, only cut;
+- then ``</think><answer>ACTIONS</answer>`` and the stop token. ACTIONS are the model's own answer when its
+  reply parsed and named only valid actions (fixed-vocabulary envs), else 1..max_actions_per_turn
+  uniformly random valid ones (``env.sample_action``), so the fine-tune carries no task knowledge beyond
+  the model's own.
+
+Each reply is stepped in a shadow env exactly as the loop will step it, so every action runs; the loop
+then shows the real next state and reward, and :func:`rollout.batch.build_token_batch` builds rows whose
+loss mask is exactly the reply tokens (the prompt and the prefilled tag are context). All data is sampled
+from the base model before training (a fixed target: training on its own samples leaves the thoughts'
+distribution where it was, in expectation; what it learns is where a thought ends and what follows).
+In NoThink mode there are no thoughts: the replies are the model's own valid answers, else random ones.
+
+The old warm-up (one of 20 canned content-free thoughts with random actions) is gone: it made every
+thought the same few sentences, so reasoning started RL collapsed (first-turn Sokoban thoughts carried
+I(X;Z) = 0.006 nats of a possible 2.08, measured). :class:`RandomFormatGenerator` remains for the
+random-policy level (:func:`random_policy_stats`), with an empty thought: it is never trained on.
+
+The warmed model is cached under ``models_dir()`` with a key over everything that changes what it learns
+(method, base model and its fingerprint, env, format switches, prompt budgets, steps, lr, format version),
+written to a staging directory and renamed into place with the ``ragen-model.json`` marker written last
+(``ragen_core.models`` helpers), so a second call returns at once. The marker holds the facts of the
+build (:func:`warmup_facts`: method, steps, format validity of the base model's own replies and of the
+warmed model's, shares of own thoughts and answers, seconds); a training run prints them in one line and
+logs them as ``warmup.*`` params.
 
 Run its tests: ``.venv/bin/python -m pytest tests/unit/trainer/test_warmup.py -q``; the effect on the
 default model: ``.venv/bin/python bench/warmup.py`` (or ``-m slow tests/integration/test_warmup_default_model.py``).
@@ -30,6 +53,7 @@ default model: ``.venv/bin/python bench/warmup.py`` (or ``-m slow tests/integrat
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -43,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from ragen_core.rollout.generators.base import FINISH_STOP, STAT_KEYS, Generation, SamplingParams
-from ragen_core.rollout.parse import ACTION_SEP
+from ragen_core.rollout.parse import ACTION_SEP, parse_response
 from ragen_core.rollout.prompts import reply_prefill
 
 if TYPE_CHECKING:
@@ -51,53 +75,49 @@ if TYPE_CHECKING:
 
     from ragen_core.config import EnvConfig, ExperimentConfig, RolloutConfig
     from ragen_core.envs.base import TextEnv
+    from ragen_core.rollout.generators.base import Generator
     from ragen_core.types import TokenBatch, Trajectory
 
 __all__ = [
-    "FORMAT_VERSION", "GENERIC_THOUGHTS", "RandomFormatGenerator", "format_reply", "format_stats", "measure_format",
-    "prefix_detached_backward", "random_policy_stats", "sample_episodes", "supervised_loss", "synthetic_dialogues",
-    "train_format", "warmup_dir", "warmup_key", "warmup_model",
+    "FORMAT_VERSION", "METHODS", "THOUGHT_TOKENS", "RandomFormatGenerator", "SelfDistillGenerator", "cut_thought",
+    "format_reply", "format_stats", "measure_format", "prefix_detached_backward", "random_policy_stats",
+    "reply_entropy", "reply_stats", "sample_episodes", "self_distill_dialogues", "supervised_loss",
+    "synthetic_dialogues", "thought_cap", "train_format", "warmup_dir", "warmup_facts", "warmup_key", "warmup_model",
 ]
 
-FORMAT_VERSION = 2
-"""Bumped whenever the synthetic data or the training recipe changes, so old caches are not reused
-(2: linear learning-rate decay)."""
+FORMAT_VERSION = 3
+"""Bumped whenever the training data or recipe changes, so old caches are not reused
+(2: linear learning-rate decay; 3: self-distillation of the model's own thoughts replaces canned ones)."""
 
-GENERIC_THOUGHTS: tuple[str, ...] = (
-    "Let me look at the state and pick an action.",
-    "I will choose an action now.",
-    "Let me think about what to do next.",
-    "I should make a move.",
-    "I will try this.",
-    "Let me decide on my next step.",
-    "I look at the current state first.",
-    "Time to act.",
-    "I will pick one of the available actions.",
-    "Let me read the state carefully.",
-    "I need to choose what to do.",
-    "This seems like a reasonable choice.",
-    "Let me go with this.",
-    "I will take an action and see what happens.",
-    "Let me check my options.",
-    "I have made my decision.",
-    "I will answer now.",
-    "Let me consider the options briefly.",
-    "I choose my action.",
-    "Here is my move.",
-)
-"""Short thoughts that say nothing about any task: the warm-up teaches where thinking goes, not what to think."""
+METHODS = ("none", "self_distill")
+"""Values of ``model.warmup``."""
+
+THOUGHT_TOKENS = 48
+"""Most sampled tokens kept as one thought (see :func:`thought_cap`)."""
+ANSWER_ROOM = 32
+"""Tokens sampled beyond the thought cap, so that an answer the model writes after closing its thought is seen."""
 
 WARMUP_SEED = 0
 """The warm-up's own seed (data and order); fixed so runs with different trainer seeds share one cache."""
-_SEED_START = 1_000_000
-"""First env seed of the synthetic dialogues: far from training (0..) and evaluation (123..) seeds."""
+_SEED_START = 2_000_000
+"""First env seed of the warm-up's dialogues: far from evaluation (123..) and training (1_000_000..,
+session.TRAIN_SEED_OFFSET) seeds, so RL never starts on a state the warm-up has played."""
 _BATCH = 8
 """Dialogues per supervised step."""
+_SAMPLE_CHUNK = 64
+"""Dialogues sampled together (one ``run_rollouts`` call): bounds the KV cache of a batch."""
+_CHECK_EPISODES = 32
+"""First turns sampled from the warmed model to record its format validity in the marker."""
+_CHECK_MAX_NEW_TOKENS = 128
+"""Reply budget of that check: a warmed reply closes its answer within ~thought cap + 30 tokens, and one
+run-away row would otherwise keep the whole batch decoding to a GPU-sized budget (400 on Sokoban)."""
 
 Progress = Callable[[str], None]
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+_SENTENCE_END = re.compile(r"(?:[.!?][\"')\]]*|\n)\s*$")
 
 
-# --------------------------------------------------------------------------- synthetic dialogues
+# --------------------------------------------------------------------------- replies in the format
 
 
 def format_reply(thought: str, actions: Sequence[str], think: bool) -> str:
@@ -106,52 +126,94 @@ def format_reply(thought: str, actions: Sequence[str], think: bool) -> str:
     return f"<think>{thought}</think>{answer}" if think else answer
 
 
-class RandomFormatGenerator:
-    """A ``Generator`` (generators/base.py) that plays random valid actions in the required format.
+def thought_cap(rollout_cfg: RolloutConfig) -> int:
+    """Most sampled tokens a warm-up thought keeps: half the reply budget, at most :data:`THOUGHT_TOKENS`
+    (so the answer always fits, and RL starts from thoughts it can still lengthen)."""
+    return max(1, min(THOUGHT_TOKENS, rollout_cfg.max_new_tokens // 2))
 
-    It mirrors each episode of ``run_rollouts`` in a shadow env of its own: the loop makes episode
-    (group g, member m) with ``reset(seed=seeds[g], options={"dynamics_seed": m})`` and sends all
-    episodes, in (group, member) order, to the first ``generate`` call; each session id is bound to
-    its shadow there. A reply's actions are sampled from the shadow's state and stepped in it exactly
-    as the loop will step them in the real env (up to the turn's and the episode's action budgets,
-    stopping at the end of the episode), so every action is valid when the loop runs it.
 
-    Free-form envs (WebShop, Countdown) get one action per reply: the loop matches all actions of a
-    reply against the state before the turn, and their valid actions change with the state.
-    Reply ids are the tokenizer's ids of the text plus the first stop token (as ``ScriptedGenerator``),
-    log-probs are 0.0 (nothing samples them). When a reply would exceed ``max_new_tokens``, its thought
-    is replaced by the shortest one that fits.
+def cut_thought(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], cap: int, stopped: bool) -> tuple[int, str]:
+    """How many of the sampled ``ids`` (stop token removed) make the thought, and why it ends there.
+
+    Returns (k, how): ``closed`` the model wrote a tag (``</think>``, or ``<answer>`` etc. first) within
+    ``cap`` tokens, and the thought is everything before it; ``stopped`` it ended its reply (``stopped``)
+    within ``cap`` tokens without one; ``sentence`` the last sentence end within ``cap`` tokens;
+    ``length`` the last word boundary within ``cap`` tokens (or ``cap`` itself). Cuts fall between sampled
+    tokens and never split a character (byte-level tokens can); a character the tokenizer merged into the
+    tag's first token (SmolLM2's ``' </'``) goes with the tag.
+    """
+    texts = [tokenizer.decode(list(ids[:k]), skip_special_tokens=True) for k in range(len(ids) + 1)]
+    full = texts[-1]
+    whole = [k for k in range(len(ids) + 1) if full.startswith(texts[k])]  # cuts between characters
+    tag = min((full.find(t) for t in _TAGS if t in full), default=-1)
+    if tag >= 0:
+        k = max(k for k in whole if len(texts[k]) <= tag)
+        if k <= cap:
+            return k, "closed"
+    elif stopped and len(ids) <= cap:
+        return len(ids), "stopped"
+    within = [k for k in whole if 0 < k <= cap]
+    ends = [k for k in within if _SENTENCE_END.search(texts[k])]
+    if ends:
+        return ends[-1], "sentence"
+    words = [k for k in within if k == len(ids) or full[len(texts[k]):len(texts[k]) + 1].isspace()]
+    return (words or within or [0])[-1], "length"
+
+
+class _Shadow:
+    """One episode's shadow env and the action budget it has used (mutable, private)."""
+
+    def __init__(self, env: TextEnv) -> None:
+        self.env = env
+        self.used = 0
+        self.done = False
+
+    def play(self, texts: Sequence[str], episode_budget: int) -> list[str]:
+        """Step the actions ``texts`` in order, stopping where the loop stops; the ones that ran."""
+        actions: list[str] = []
+        for text in texts:
+            action = self.env.match_action(text)
+            if action is None:
+                raise RuntimeError(f"{self.env.name}: {text!r} is not an action match_action accepts")
+            _, _, terminated, truncated, info = self.env.step(action)
+            if info.get("invalid_action", False):
+                raise RuntimeError(f"{self.env.name} rejected the action {text!r}")
+            actions.append(text)
+            self.used += 1
+            if terminated or truncated or self.used >= episode_budget:
+                self.done = True
+                break
+        return actions
+
+    def play_random(self, k: int, rng: np.random.Generator, episode_budget: int) -> list[str]:
+        """Sample and step up to ``k`` valid actions (each drawn in the state it runs in)."""
+        actions: list[str] = []
+        for _ in range(k):
+            if self.done:
+                break
+            actions += self.play([self.env.sample_action(rng)], episode_budget)
+        return actions
+
+
+class _ShadowEpisodes:
+    """The shadow envs of one ``run_rollouts`` call, bound to its session ids on the first ``generate``.
+
+    The loop makes episode (group g, member m) with ``reset(seed=seeds[g], options={"dynamics_seed": m})``
+    and sends all episodes, in (group, member) order, to the first ``generate`` call.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, env_cfg: EnvConfig, rollout_cfg: RolloutConfig,
-                 seeds: Sequence[int], n_per_group: int, rng: np.random.Generator) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, env_cfg: EnvConfig, seeds: Sequence[int], n_per_group: int) -> None:
         self.env_cfg = env_cfg
-        self.rollout_cfg = rollout_cfg
         self.seeds = [int(s) for s in seeds]
         self.n_per_group = int(n_per_group)
-        self.rng = rng
-        self.replies: list[str] = []
-        """Every reply text, in the order generated (for tests and reading)."""
         self._shadows: dict[Hashable, _Shadow] = {}
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 session_ids: Sequence[Hashable] | None = None) -> list[Generation]:
-        if session_ids is None or len(session_ids) != len(prompts):
-            raise ValueError("RandomFormatGenerator needs one session id per prompt (run_rollouts passes them)")
+    def get(self, session_ids: Sequence[Hashable] | None, n_prompts: int) -> list[_Shadow]:
+        if session_ids is None or len(session_ids) != n_prompts:
+            raise ValueError("the warm-up generators need one session id per prompt (run_rollouts passes them)")
         if not self._shadows:
             self._bind(session_ids)
-        return [self._reply(self._shadows[sid], params) for sid in session_ids]
-
-    def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
-        return None  # shadows are kept: they are small, and a late reply for an ended session is a bug to surface
-
-    def update_weights(self, model: Any) -> None:
-        return None
-
-    @property
-    def stats(self) -> dict[str, float]:
-        return dict.fromkeys(STAT_KEYS, 0.0)
+        return [self._shadows[sid] for sid in session_ids]
 
     def _bind(self, session_ids: Sequence[Hashable]) -> None:
         from ragen_core.envs import make
@@ -165,55 +227,153 @@ class RandomFormatGenerator:
             env.reset(seed=self.seeds[i // self.n_per_group], options={"dynamics_seed": i % self.n_per_group})
             self._shadows[sid] = _Shadow(env)
 
+
+def _random_count(shadow: _Shadow, cfg: RolloutConfig, rng: np.random.Generator) -> int:
+    """1..the turn's action budget, uniformly; 1 in free-form envs (the loop matches all actions of a
+    reply against the state before the turn, and their valid actions change with the state)."""
+    if shadow.done:
+        raise RuntimeError("the rollout loop asked for a reply after the shadow episode ended: they drifted apart")
+    most = 1 if shadow.env.free_form_actions else min(cfg.max_actions_per_turn, cfg.max_actions_per_episode - shadow.used)
+    return int(rng.integers(1, most + 1))
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]] if text else []
+
+
+class RandomFormatGenerator:
+    """A ``Generator`` (generators/base.py) that plays uniformly random valid actions in the required format,
+    with an empty thought: the random-policy level (:func:`random_policy_stats`); never trained on.
+
+    Each reply's actions are sampled in a shadow env of its episode and stepped there exactly as the loop
+    will step them (up to the turn's and the episode's action budgets, stopping at the end of the episode),
+    so every action is valid when the loop runs it. Reply ids are the tokenizer's ids of the text after the
+    prefill plus the first stop token (as ``ScriptedGenerator``); log-probs are 0.0.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, env_cfg: EnvConfig, rollout_cfg: RolloutConfig,
+                 seeds: Sequence[int], n_per_group: int, rng: np.random.Generator) -> None:
+        self.tokenizer = tokenizer
+        self.rollout_cfg = rollout_cfg
+        self.rng = rng
+        self.replies: list[str] = []
+        """Every reply text, in the order generated (for tests and reading)."""
+        self._episodes = _ShadowEpisodes(env_cfg, seeds, n_per_group)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 session_ids: Sequence[Hashable] | None = None) -> list[Generation]:
+        return [self._reply(shadow, params) for shadow in self._episodes.get(session_ids, len(prompts))]
+
+    def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
+        return None  # shadows are kept: they are small, and a late reply for an ended session is a bug to surface
+
+    def update_weights(self, model: Any) -> None:
+        return None
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return dict.fromkeys(STAT_KEYS, 0.0)
+
     def _reply(self, shadow: _Shadow, params: SamplingParams) -> Generation:
         cfg = self.rollout_cfg
-        if shadow.done:
-            raise RuntimeError("the rollout loop asked for a reply after the shadow episode ended: they drifted apart")
-        most = min(cfg.max_actions_per_turn, cfg.max_actions_per_episode - shadow.used)
-        if shadow.env.free_form_actions:
-            most = 1
-        actions = shadow.play(int(self.rng.integers(1, most + 1)), self.rng, cfg.max_actions_per_episode)
-        stop = list(params.stop_token_ids[:1])
+        actions = shadow.play_random(_random_count(shadow, cfg, self.rng), self.rng, cfg.max_actions_per_episode)
+        text = format_reply("", actions, cfg.think)
         prefill = reply_prefill(cfg.think, cfg.prefill)
-        order = [int(self.rng.integers(len(GENERIC_THOUGHTS)))]
-        order += sorted(range(len(GENERIC_THOUGHTS)), key=lambda k: len(GENERIC_THOUGHTS[k]))
-        for k in order:  # the drawn thought, else the shortest ones that fit
-            text = format_reply(GENERIC_THOUGHTS[k], actions, cfg.think)
-            sampled = text[len(prefill):] if text.startswith(prefill) else text  # the context ends with the prefill
-            ids = list(self.tokenizer(sampled, add_special_tokens=False)["input_ids"]) + stop
-            if len(ids) <= params.max_new_tokens:
-                self.replies.append(text)
-                return Generation(token_ids=tuple(int(i) for i in ids), logprobs=(0.0,) * len(ids),
-                                  finish_reason=FINISH_STOP)
-        raise ValueError(f"rollout.max_new_tokens={params.max_new_tokens} is too small for even the shortest "
-                         f"reply in the required format ({len(ids)} tokens: {text!r})")
+        ids = _encode(self.tokenizer, text[len(prefill):]) + list(params.stop_token_ids[:1])
+        if len(ids) > params.max_new_tokens:
+            raise ValueError(f"rollout.max_new_tokens={params.max_new_tokens} is too small for a reply in the "
+                             f"required format ({len(ids)} tokens: {text!r})")
+        self.replies.append(text)
+        return Generation(token_ids=tuple(ids), logprobs=(0.0,) * len(ids), finish_reason=FINISH_STOP)
 
 
-class _Shadow:
-    """One episode's shadow env and the action budget it has used (mutable, private)."""
+class SelfDistillGenerator:
+    """A ``Generator`` whose replies are the model's own thoughts put in the required format (module docstring).
 
-    def __init__(self, env: TextEnv) -> None:
-        self.env = env
-        self.used = 0
-        self.done = False
+    ``inner`` samples the model's continuation of each prompt (at most ``thought_cap + ANSWER_ROOM`` tokens;
+    when the config does not prefill, this generator opens the tag itself); the reply keeps the sampled ids
+    of the thought (:func:`cut_thought`), then the ids of ``</think><answer>ACTIONS</answer>`` and the first
+    stop token. ACTIONS: the model's own when its reply parsed and every named action exists (envs with a
+    fixed action list), else random valid ones; either way stepped in the episode's shadow env first.
+    Log-probs are 0.0 (the warm-up is supervised). ``records`` has one dict per reply: its turn index,
+    how its thought ended, the thought and its token count, whether the actions were the model's own, and whether the reply as sampled
+    was already valid (parsed, only existing actions; in free-form envs, whose actions are judged by
+    stepping, this and own answers are not used: always False, random actions).
+    """
 
-    def play(self, k: int, rng: np.random.Generator, episode_budget: int) -> list[str]:
-        """Sample and step up to ``k`` valid actions, stopping where the loop stops (module rules)."""
-        actions: list[str] = []
-        for _ in range(k):
-            text = self.env.sample_action(rng)
-            action = self.env.match_action(text)
-            if action is None:
-                raise RuntimeError(f"{self.env.name}.sample_action gave {text!r}, which match_action rejects")
-            _, _, terminated, truncated, info = self.env.step(action)
-            if info.get("invalid_action", False):
-                raise RuntimeError(f"{self.env.name} rejected its own sampled action {text!r}")
-            actions.append(text)
-            self.used += 1
-            if terminated or truncated or self.used >= episode_budget:
-                self.done = True
-                break
-        return actions
+    def __init__(self, inner: Generator, tokenizer: PreTrainedTokenizerBase, env_cfg: EnvConfig,
+                 rollout_cfg: RolloutConfig, seeds: Sequence[int], n_per_group: int, rng: np.random.Generator) -> None:
+        self.inner = inner
+        self.tokenizer = tokenizer
+        self.rollout_cfg = rollout_cfg
+        self.rng = rng
+        self.cap = thought_cap(rollout_cfg)
+        self.records: list[dict[str, Any]] = []
+        self._episodes = _ShadowEpisodes(env_cfg, seeds, n_per_group)
+        tag = reply_prefill(rollout_cfg.think, True)
+        self._prefill = reply_prefill(rollout_cfg.think, rollout_cfg.prefill)  # what the prompt already ends with
+        self._open_ids = [] if rollout_cfg.prefill else _encode(tokenizer, tag)  # the tag this generator opens
+        self._tag = tag
+        self._turns: dict[Hashable, int] = {}
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 session_ids: Sequence[Hashable] | None = None) -> list[Generation]:
+        shadows = self._episodes.get(session_ids, len(prompts))
+        inner_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, self.cap + ANSWER_ROOM))
+        samples = self.inner.generate([list(p) + self._open_ids for p in prompts], inner_params, session_ids)
+        turns = [self._turns.get(sid, 0) for sid in session_ids or ()]
+        self._turns.update({sid: t + 1 for sid, t in zip(session_ids or (), turns)})
+        return [self._reply(shadow, sample, params, turn) for shadow, sample, turn in zip(shadows, samples, turns)]
+
+    def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
+        self.inner.end_sessions(session_ids)
+
+    def update_weights(self, model: Any) -> None:
+        self.inner.update_weights(model)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats
+
+    def _reply(self, shadow: _Shadow, sample: Generation, params: SamplingParams, turn: int) -> Generation:
+        cfg, stops = self.rollout_cfg, set(params.stop_token_ids)
+        ids = list(sample.token_ids)
+        stopped = bool(ids) and ids[-1] in stops
+        ids = ids[:-1] if stopped else ids
+        text = self._tag + self.tokenizer.decode(ids, skip_special_tokens=True)  # the reply as the model wrote it
+        k, how = cut_thought(self.tokenizer, ids, self.cap, stopped) if cfg.think else (0, "none")
+        valid = self._own_actions(text, shadow)  # the reply as sampled was valid (the loop would accept it)
+        own = valid if how in ("closed", "none") else None  # its answer follows the thought we keep
+        count = _random_count(shadow, cfg, self.rng)
+        actions = (shadow.play(own, cfg.max_actions_per_episode) if own
+                   else shadow.play_random(count, self.rng, cfg.max_actions_per_episode))
+        answer = format_reply("", actions, cfg.think)[len(self._tag):]  # '</think><answer>..</answer>' (think)
+        suffix = _encode(self.tokenizer, answer) + list(params.stop_token_ids[:1])
+        room = params.max_new_tokens - len(self._open_ids) - len(suffix)
+        if room < 0:
+            raise ValueError(f"rollout.max_new_tokens={params.max_new_tokens} is too small for a reply in the "
+                             f"required format ({self._tag + answer!r})")
+        if k > room:  # rare: a long answer after a long thought; keep what fits
+            k, how = cut_thought(self.tokenizer, ids[:room], room, False)[0], "length"
+        self.records.append({"turn": turn, "how": how, "thought_tokens": k, "own_actions": bool(own),
+                             "valid_as_sampled": bool(valid),
+                             "thought": self.tokenizer.decode(ids[:k], skip_special_tokens=True)})
+        reply = self._open_ids + ids[:k] + suffix
+        return Generation(token_ids=tuple(reply), logprobs=(0.0,) * len(reply), finish_reason=FINISH_STOP)
+
+    def _own_actions(self, text: str, shadow: _Shadow) -> list[str] | None:
+        """The model's own answer when it parsed and names only existing actions (fixed-vocabulary envs)."""
+        cfg = self.rollout_cfg
+        parsed = parse_response(text, think=cfg.think, max_actions=cfg.max_actions_per_turn)
+        if not parsed.ok or shadow.env.free_form_actions:
+            return None
+        if any(shadow.env.match_action(a) is None for a in parsed.actions):
+            return None
+        return parsed.actions[: cfg.max_actions_per_episode - shadow.used]
+
+
+
+# --------------------------------------------------------------------------- dialogues
 
 
 def synthetic_dialogues(
@@ -228,18 +388,58 @@ def synthetic_dialogues(
 ) -> list[Trajectory]:
     """``n`` episodes (env seeds ``seed_start..``) played by :class:`RandomFormatGenerator` in the real loop.
 
-    ``seed`` drives the thoughts and actions. Every turn of the result parses and names only valid
-    actions (checked: a failure means the shadow envs drifted from the loop, and raises).
+    ``seed`` drives the actions. Every turn of the result parses and names only valid actions (checked:
+    a failure means the shadow envs drifted from the loop, and raises).
     """
     from ragen_core.rollout.loop import run_rollouts
 
     seeds = list(range(seed_start, seed_start + n))
     gen = RandomFormatGenerator(tokenizer, env_cfg, rollout_cfg, seeds, 1, np.random.default_rng(seed))
     trajs = run_rollouts(env_cfg, gen, tokenizer, rollout_cfg, seeds, 1, model_max_length=model_max_length)
+    _check_parsed(trajs)
+    return trajs
+
+
+def _check_parsed(trajs: Sequence[Trajectory]) -> None:
     bad = [(t.seed, i, turn.response_text) for t in trajs for i, turn in enumerate(t.turns) if not turn.parse_ok]
     if bad:
-        raise RuntimeError(f"synthetic replies that the rollout loop rejected (seed, turn, reply): {bad[:3]}")
-    return trajs
+        raise RuntimeError(f"warm-up replies that the rollout loop rejected (seed, turn, reply): {bad[:3]}")
+
+
+def self_distill_dialogues(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: ExperimentConfig,
+    n: int,
+    *,
+    seed: int = WARMUP_SEED,
+    seed_start: int = _SEED_START,
+    n_per_group: int = 1,
+    progress: Progress | None = None,
+) -> tuple[list[Trajectory], list[dict[str, Any]]]:
+    """``n`` groups of ``n_per_group`` episodes (env seeds ``seed_start..``) played by :class:`SelfDistillGenerator`
+    over ``model`` in the real loop, sampled at temperature 1.0 in chunks of about :data:`_SAMPLE_CHUNK` episodes;
+    and the generator's per-reply records, in reply order. Every turn parses and names only valid actions (checked).
+    """
+    from ragen_core.rollout.generators import make_generator
+    from ragen_core.rollout.loop import run_rollouts
+
+    max_len = _max_length(cfg, model)
+    rng = np.random.default_rng(seed)
+    trajs: list[Trajectory] = []
+    records: list[dict[str, Any]] = []
+    chunk = max(1, _SAMPLE_CHUNK // n_per_group)
+    for c, start in enumerate(range(seed_start, seed_start + n, chunk)):
+        seeds = list(range(start, min(start + chunk, seed_start + n)))
+        inner = make_generator("hf", model, tokenizer, max_length=max_len)
+        gen = SelfDistillGenerator(inner, tokenizer, cfg.env, cfg.rollout, seeds, n_per_group, rng)
+        trajs += run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, seeds, n_per_group, 1.0, group_offset=start - seed_start,
+                              sampling_seed=seed * 1_000_003 + c, model_max_length=max_len)
+        records += gen.records
+        if progress is not None:
+            progress(f"format warm-up: sampled {len(trajs)}/{n * n_per_group} dialogues of the model's own thoughts")
+    _check_parsed(trajs)
+    return trajs, records
 
 
 # --------------------------------------------------------------------------- measuring
@@ -265,21 +465,62 @@ def random_policy_stats(env_cfg: EnvConfig, rollout_cfg: RolloutConfig, tokenize
 
 
 def sample_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ExperimentConfig,
-                    n: int = 64, *, temperature: float = 1.0, sampling_seed: int = 0) -> list[Trajectory]:
-    """``n`` episodes (env seeds 0..n-1, one each) sampled from ``model`` by the real rollout loop (hf backend)."""
+                    n: int = 64, *, temperature: float = 1.0, sampling_seed: int = 0, n_per_group: int = 1,
+                    seed_start: int = 0) -> list[Trajectory]:
+    """``n`` groups of ``n_per_group`` episodes (env seeds ``seed_start..``) sampled from ``model`` by the real
+    rollout loop (hf backend)."""
     from ragen_core.rollout.generators import make_generator
     from ragen_core.rollout.loop import run_rollouts
 
     max_len = _max_length(cfg, model)
     gen = make_generator("hf", model, tokenizer, max_length=max_len)
-    return run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, list(range(n)), 1, temperature,
-                        sampling_seed=sampling_seed, model_max_length=max_len)
+    return run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, list(range(seed_start, seed_start + n)), n_per_group,
+                        temperature, sampling_seed=sampling_seed, model_max_length=max_len)
 
 
 def measure_format(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ExperimentConfig,
                    n: int = 64, *, temperature: float = 1.0, sampling_seed: int = 0) -> dict[str, float]:
     """:func:`format_stats` of :func:`sample_episodes`: format validity and success of ``model`` on ``cfg``'s env."""
     return format_stats(sample_episodes(model, tokenizer, cfg, n, temperature=temperature, sampling_seed=sampling_seed))
+
+
+def reply_entropy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ExperimentConfig,
+                  trajectories: Sequence[Trajectory], temperature: float = 1.0, rows_per_pass: int = 4) -> float:
+    """Mean per-token entropy of the policy over every reply token of ``trajectories`` (the loss-mask tokens
+    of their training rows, the end-of-turn token included), from a forward pass at ``temperature``."""
+    from ragen_core.rollout.batch import build_token_batch
+    from ragen_core.trainer.forward import first_scored, policy_forward
+
+    batch = build_token_batch(list(trajectories), tokenizer, cfg.rollout, _max_length(cfg, model))
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, batch.batch_size, rows_per_pass):
+            part = batch.select(list(range(start, min(start + rows_per_pass, batch.batch_size))))
+            mask = part.loss_mask.to(device)  # [b, T]
+            out = policy_forward(model, part.input_ids.to(device), part.attention_mask.to(device), temperature,
+                                 entropy_grad=False, start=first_scored(mask))
+            total += float(out.entropy[mask].sum())
+            count += int(mask.sum())
+    return total / max(count, 1)
+
+
+def reply_stats(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ExperimentConfig,
+                trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """:func:`format_stats` plus ``entropy`` (:func:`reply_entropy`), ``closed_think`` (share of turns whose
+    reply closes a think block), ``think_tokens`` (mean tokens inside it, over those turns) and
+    ``response_tokens`` (mean sampled tokens per turn)."""
+    turns = [turn for t in trajectories for turn in t.turns]
+    blocks = [m.group(1) for m in (re.search(r"<think>(.*?)</think>", turn.response_text, re.DOTALL) for turn in turns)
+              if m is not None]
+    lengths = [len(_encode(tokenizer, b)) for b in blocks]
+    return {
+        **format_stats(trajectories),
+        "entropy": reply_entropy(model, tokenizer, cfg, trajectories),
+        "closed_think": len(blocks) / max(len(turns), 1),
+        "think_tokens": sum(lengths) / max(len(lengths), 1),
+        "response_tokens": sum(len(turn.response_ids) for turn in turns) / max(len(turns), 1),
+    }
 
 
 # --------------------------------------------------------------------------- training
@@ -384,15 +625,6 @@ def _max_length(cfg: ExperimentConfig, model: torch.nn.Module) -> int | None:
     return cfg.model.max_length or getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
-def _training_batches(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, max_length: int | None,
-                      steps: int) -> list[TokenBatch]:
-    from ragen_core.rollout.batch import build_token_batch
-
-    trajs = synthetic_dialogues(cfg.env, cfg.rollout, tokenizer, steps * _BATCH, model_max_length=max_length)
-    return [build_token_batch(trajs[i:i + _BATCH], tokenizer, cfg.rollout, max_length)
-            for i in range(0, len(trajs), _BATCH)]
-
-
 # --------------------------------------------------------------------------- cache
 
 
@@ -415,11 +647,13 @@ def warmup_key(cfg: ExperimentConfig, base_fingerprint: str) -> str:
     r = cfg.rollout
     facts = {
         "format_version": FORMAT_VERSION,
+        "method": cfg.model.warmup,
         "base": cfg.model.name,
         "base_fingerprint": base_fingerprint,
         "env": {"name": cfg.env.name, "params": cfg.env.params},
-        "rollout": {k: getattr(r, k) for k in ("think", "max_turns", "max_actions_per_turn", "max_actions_per_episode",
-                                               "max_new_tokens", "system_prompt", "window_turns", "max_context_tokens")},
+        "rollout": {k: getattr(r, k) for k in ("think", "prefill", "max_turns", "max_actions_per_turn",
+                                               "max_actions_per_episode", "max_new_tokens", "system_prompt",
+                                               "window_turns", "max_context_tokens")},
         "max_length": cfg.model.max_length,
         "steps": cfg.model.warmup_steps,
         "lr": cfg.model.warmup_lr,
@@ -432,22 +666,26 @@ def _slug(text: str) -> str:
 
 
 def warmup_dir(cfg: ExperimentConfig, base_fingerprint: str) -> Path:
-    """``models_dir()/warmup-<base>-<env>-<hash12>``: where the warmed copy of ``cfg``'s model is cached."""
+    """``models_dir()/warmup-<method>-<base>-<env>-<hash12>``: where the warmed copy of ``cfg``'s model is cached."""
     from ragen_core.models import models_dir
 
     base = _slug(Path(cfg.model.name.rstrip("/")).name)
-    return models_dir() / f"warmup-{base}-{_slug(cfg.env.name)}-{warmup_key(cfg, base_fingerprint)[:12]}"
+    key = warmup_key(cfg, base_fingerprint)[:12]
+    return models_dir() / f"warmup-{cfg.model.warmup}-{base}-{_slug(cfg.env.name)}-{key}"
 
 
 def warmup_model(cfg: ExperimentConfig, force: bool = False, progress: Progress | None = None) -> Path:
-    """The format-warmed copy of ``cfg.model.name`` for ``cfg``'s env and format, trained once and cached.
+    """The format-warmed copy of ``cfg.model.name`` for ``cfg``'s env and format (``cfg.model.warmup``'s
+    method), trained once and cached.
 
     Returns a directory that ``load_model(str(path))`` / ``load_tokenizer(str(path))`` load. A complete
     cached copy is returned at once; ``force=True`` trains and replaces it. ``progress`` gets one line
-    per stage.
+    per stage. Raises ValueError when ``model.warmup`` is ``none``.
     """
     from ragen_core import models as m
 
+    if cfg.model.warmup == "none":
+        raise ValueError("model.warmup is 'none': there is nothing to warm up (set model.warmup=self_distill)")
     base_path = m.resolve_model(cfg.model.name)  # before the lock: provisioning the base takes it too
     target = warmup_dir(cfg, _base_fingerprint(base_path))
     if not force and m.check_model_dir(target) is None:
@@ -463,9 +701,22 @@ def warmup_model(cfg: ExperimentConfig, force: bool = False, progress: Progress 
     return target
 
 
+_PARAM_FACTS = ("method", "steps", "lr", "format_version", "validity_before", "validity_after", "own_thought_end",
+                "own_actions", "thought_tokens", "distinct_first_thoughts", "seconds")
+
+
+def warmup_facts(path: Path) -> dict[str, Any]:
+    """The facts of a warmed copy worth a run's params (method, steps, validity before -> after, ...), from its marker."""
+    from ragen_core.models import MARKER
+
+    facts = json.loads((Path(path) / MARKER).read_text())
+    return {"dir": Path(path).name, **{k: facts[k] for k in _PARAM_FACTS if k in facts}}
+
+
 def _build(cfg: ExperimentConfig, base_path: Path, out: Path, progress: Progress | None) -> dict[str, Any]:
     """Train the warm-up from ``base_path`` and save model + tokenizer into ``out``; the marker's facts."""
     from ragen_core.models import _say, load_model, load_tokenizer
+    from ragen_core.rollout.batch import build_token_batch
 
     started, cpu_started = time.perf_counter(), time.process_time()
     steps, lr = cfg.model.warmup_steps, cfg.model.warmup_lr
@@ -478,31 +729,66 @@ def _build(cfg: ExperimentConfig, base_path: Path, out: Path, progress: Progress
             torch.manual_seed(WARMUP_SEED)
             tokenizer = load_tokenizer(str(base_path))
             model = load_model(str(base_path), dtype=torch.float32, device=_device(cfg))
-            _say(progress, f"format warm-up of {cfg.model.name} on {cfg.env.name}: {steps} steps x {_BATCH} "
-                           f"synthetic dialogues, lr {lr:g}")
-            batches = _training_batches(cfg, tokenizer, _max_length(cfg, model), steps)
+            max_len = _max_length(cfg, model)
+            _say(progress, f"format warm-up ({cfg.model.warmup}) of {cfg.model.name} on {cfg.env.name}: {steps} steps "
+                           f"x {_BATCH} dialogues of the model's own thoughts, lr {lr:g}")
+            trajs, records = self_distill_dialogues(model, tokenizer, cfg, steps * _BATCH, progress=progress)
+            sampled = time.perf_counter()
+            batches = [build_token_batch(trajs[i:i + _BATCH], tokenizer, cfg.rollout, max_len)
+                       for i in range(0, len(trajs), _BATCH)]
             losses = train_format(model, batches, lr, progress=progress)
+            trained = time.perf_counter()
+            check = dataclasses.replace(cfg.rollout, max_turns=1, max_new_tokens=min(cfg.rollout.max_new_tokens,
+                                                                                     _CHECK_MAX_NEW_TOKENS))
+            first_turn = dataclasses.replace(cfg, rollout=check)
+            after = format_stats(sample_episodes(model, tokenizer, first_turn, _CHECK_EPISODES, seed_start=_SEED_START))
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    firsts = [r for r in records if r["turn"] == 0]
+    share = _share(records)
     return {
         "spec": f"warmup:{cfg.model.name}",
+        "method": cfg.model.warmup,
         "base": cfg.model.name,
         "base_path": str(base_path),
         "env": cfg.env.name,
         "env_params": json.loads(json.dumps(cfg.env.params, default=str)),
         "think": cfg.rollout.think,
+        "prefill": cfg.rollout.prefill,
         "steps": steps,
         "lr": lr,
         "batch": _BATCH,
         "format_version": FORMAT_VERSION,
+        "dialogues": len(trajs),
+        "replies": len(records),
+        "thought_cap": thought_cap(cfg.rollout),
+        # the base model's own first replies on the data's prompts (sampled up to thought cap + ANSWER_ROOM tokens)
+        "validity_before": round(_share(firsts)(lambda r: r["valid_as_sampled"]), 4),
+        # the warmed model's first replies on the same seeds (temperature 1.0, reply budget up to 128 tokens)
+        "validity_after": round(after["validity"], 4),
+        "after_episodes": _CHECK_EPISODES,
+        "after_max_new_tokens": check.max_new_tokens,
+        "own_thought_end": round(share(lambda r: r["how"] in ("closed", "stopped")), 4),
+        "sentence_cut": round(share(lambda r: r["how"] == "sentence"), 4),
+        "length_cut": round(share(lambda r: r["how"] == "length"), 4),
+        "own_actions": round(share(lambda r: r["own_actions"]), 4),
+        "thought_tokens": round(sum(r["thought_tokens"] for r in records) / max(len(records), 1), 2),
+        "distinct_first_thoughts": round(len({r["thought"] for r in firsts}) / max(len(firsts), 1), 4),
         "loss_first": round(losses[0], 4),
         "loss_last": round(losses[-1], 4),
+        "sample_seconds": round(sampled - started, 1),
+        "train_seconds": round(trained - sampled, 1),
+        "check_seconds": round(time.perf_counter() - trained, 1),
         "seconds": round(time.perf_counter() - started, 1),
         "cpu_seconds": round(time.process_time() - cpu_started, 1),
         "threads": train_threads,
     }
+
+
+def _share(records: Sequence[dict[str, Any]]) -> Callable[[Callable[[dict[str, Any]], bool]], float]:
+    return lambda pred: sum(bool(pred(r)) for r in records) / max(len(records), 1)
 
 
 def _device(cfg: ExperimentConfig) -> str:

@@ -1,47 +1,55 @@
 """Format warm-up (ragen_core/trainer/warmup.py) on the tiny model: data, loss, training, cache.
 
-The synthetic dialogues are checked against the rollout loop replaying the same replies with the
-scripted generator, and their rewards and next states against a fresh env stepped by hand; the
-effect on the real default model is tests/integration/test_warmup_default_model.py (slow).
+Both kinds of dialogue (self-distilled from the model's own samples, and the random-policy ones) are
+checked against the rollout loop replaying the same reply ids, and their rewards and next states
+against a fresh env stepped by hand; the self-distilled thoughts against the ids the model sampled.
+The effect on the real default model is tests/integration/test_warmup_default_model.py (slow).
 
 Run: .venv/bin/python -m pytest tests/unit/trainer/test_warmup.py -q
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import PreTrainedTokenizerBase
 
-from ragen_core.config import ExperimentConfig, apply_overrides, build_config
-from ragen_core.envs import list_envs, make
+from ragen_core.config import ConfigError, ExperimentConfig, apply_overrides, build_config, load_experiment
+from ragen_core.envs import make
 from ragen_core.models import MARKER, check_model_dir, load_model, load_tokenizer, tiny_random
 from ragen_core.rollout.batch import build_token_batch, mask_problems
 from ragen_core.rollout.chat import ChatRenderer
+from ragen_core.rollout.generators import make_generator
+from ragen_core.rollout.generators.base import Generation, SamplingParams
 from ragen_core.rollout.loop import run_rollouts
 from ragen_core.rollout.parse import parse_response
 from ragen_core.rollout.prompts import fmt_reward
 from ragen_core.rollout.scripted import ScriptedGenerator
 from ragen_core.trainer import warmup as W
+from ragen_core.types import Trajectory
 
 TINY = "tiny-random:0"
+EXPERIMENTS = Path(__file__).resolve().parents[3] / "experiments"
 
 
 def _cfg(*overrides: str) -> ExperimentConfig:
-    return build_config(ExperimentConfig, apply_overrides({}, ["model.name=" + TINY, "model.device=cpu", *overrides]))
+    return build_config(ExperimentConfig, apply_overrides({}, ["model.name=" + TINY, "model.device=cpu",
+                                                               "model.warmup=self_distill", *overrides]))
 
 
 BANDIT = ("env.name=Bandit", "rollout.max_turns=1", "rollout.max_actions_per_turn=1",
           "rollout.max_actions_per_episode=1", "rollout.max_new_tokens=48")
 SOKOBAN = ("env.name=Sokoban", "rollout.max_turns=3", "rollout.max_actions_per_turn=3",
            "rollout.max_actions_per_episode=6")
+KINDS = ("self_distill", "random")
 
 
 @pytest.fixture(scope="module")
@@ -59,32 +67,62 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+def _dialogues(kind: str, cfg: ExperimentConfig, tok: PreTrainedTokenizerBase, n: int,
+               seed_start: int = 5) -> list[Trajectory]:
+    if kind == "random":
+        return W.synthetic_dialogues(cfg.env, cfg.rollout, tok, n, seed_start=seed_start)
+    return W.self_distill_dialogues(tiny_random(0)[0], tok, cfg, n, seed_start=seed_start)[0]
+
+
+class _ReplayIds:
+    """Replies with recorded ids, turn by turn (call k gets every live episode's k-th reply, in row order)."""
+
+    def __init__(self, replies: Sequence[Sequence[int]]) -> None:
+        self.replies = list(replies)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 session_ids: Sequence[Hashable] | None = None) -> list[Generation]:
+        ids = tuple(self.replies.pop(0))
+        return [Generation(token_ids=ids, logprobs=(0.0,) * len(ids), finish_reason="stop")]
+
+    def end_sessions(self, session_ids: object) -> None:
+        return None
+
+    def update_weights(self, model: object) -> None:
+        return None
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
 # ----------------------------------------------------------------------------- dialogues
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("overrides", [SOKOBAN, ("env.name=FrozenLake", "rollout.max_turns=4"), BANDIT,
-                                       (*SOKOBAN, "rollout.think=false")])
+                                       (*SOKOBAN, "rollout.think=false"), (*SOKOBAN, "rollout.prefill=false")])
 def test_dialogues_are_exactly_what_a_rollout_of_the_same_replies_shows(tok: PreTrainedTokenizerBase,
-                                                                        overrides: tuple[str, ...]) -> None:
+                                                                        overrides: tuple[str, ...], kind: str) -> None:
     cfg = _cfg(*overrides)
-    trajs = W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 4, seed_start=5)
+    trajs = _dialogues(kind, cfg, tok, 4)
     assert [t.seed for t in trajs] == [5, 6, 7, 8]
     for t in trajs:
-        replies = [turn.response_text for turn in t.turns]
-        gen = ScriptedGenerator(tok, lambda call, row, prompt, replies=replies: replies[call])
+        gen = _ReplayIds([turn.response_ids for turn in t.turns])
         (replay,) = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds=[t.seed], n_per_group=1)
-        # identical turns (prompt ids, reply ids, rewards, actions), except the scripted made-up log-probs
-        assert [dataclasses.replace(x, logprobs=()) for x in replay.turns] == \
-               [dataclasses.replace(x, logprobs=()) for x in t.turns]
+        # identical turns (prompt ids, reply ids, texts, rewards, actions); log-probs are 0.0 in both
+        assert replay.turns == t.turns
         assert replay.meta["user_texts"] == t.meta["user_texts"] and replay.meta["instruction"] == t.meta["instruction"]
         assert (replay.success, replay.terminated, replay.truncated) == (t.success, t.terminated, t.truncated)
+        assert all(turn.parse_ok for turn in t.turns)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("overrides", [SOKOBAN, ("env.name=FrozenLake", "rollout.max_turns=4")])
 def test_every_action_runs_and_the_next_message_shows_the_real_next_state(tok: PreTrainedTokenizerBase,
-                                                                          overrides: tuple[str, ...]) -> None:
+                                                                          overrides: tuple[str, ...], kind: str) -> None:
     cfg = _cfg(*overrides)
-    trajs = W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 8, seed_start=20)
+    trajs = _dialogues(kind, cfg, tok, 8, seed_start=20)
     assert any(len(t.turns) > 1 for t in trajs)  # multi-turn dialogues are there
     for t in trajs:
         env = make(cfg.env.name)  # an independent replay: the loop's member 0 uses dynamics_seed 0
@@ -100,23 +138,164 @@ def test_every_action_runs_and_the_next_message_shows_the_real_next_state(tok: P
                 assert env.render() in t.meta["user_texts"][k + 1]
 
 
-@pytest.mark.parametrize("overrides", [SOKOBAN, BANDIT, (*SOKOBAN, "rollout.think=false")])
-def test_masked_tokens_are_exactly_the_replies(tok: PreTrainedTokenizerBase, overrides: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("overrides", [SOKOBAN, BANDIT, (*SOKOBAN, "rollout.think=false"),
+                                       (*SOKOBAN, "rollout.prefill=false")])
+def test_masked_tokens_are_exactly_the_replies(tok: PreTrainedTokenizerBase, overrides: tuple[str, ...],
+                                               kind: str) -> None:
     cfg = _cfg(*overrides)
-    trajs = W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 6)
+    trajs = _dialogues(kind, cfg, tok, 6)
     batch = build_token_batch(trajs, tok, cfg.rollout)
     assert mask_problems(batch, trajs, tok) == []
     for b, t in enumerate(trajs):
         for k, turn in enumerate(t.turns):
             sel = batch.loss_mask[b] & (batch.turn_ids[b] == k)
+            ids = batch.input_ids[b][sel].tolist()
+            assert ids == list(turn.response_ids)  # exactly the reply's ids, the stop token last
             sampled = turn.response_text[len(t.meta["prefill"]):]  # the prefilled tag is context
-            assert tok.decode(batch.input_ids[b][sel].tolist()) == sampled + "<|im_end|>"
+            assert tok.decode(ids, skip_special_tokens=True) == sampled and ids[-1] == tok.eos_token_id
+
+
+class _Recording:
+    """Wraps a generator and keeps every sample it returned, in call and row order."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.samples: list[Generation] = []
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 session_ids: Sequence[Hashable] | None = None) -> list[Generation]:
+        out = self.inner.generate(prompts, params, session_ids)
+        self.samples += out
+        return out
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("overrides", [SOKOBAN, BANDIT])
+def test_self_distilled_thoughts_are_the_ids_the_model_sampled(tok: PreTrainedTokenizerBase,
+                                                               overrides: tuple[str, ...]) -> None:
+    cfg = _cfg(*overrides)
+    model, _ = tiny_random(0)
+    inner = _Recording(make_generator("hf", model, tok))
+    seeds = list(range(30, 38))
+    gen = W.SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, seeds, 1, np.random.default_rng(0))
+    trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds, 1, 1.0, sampling_seed=3)
+    replies = [turn for k in range(cfg.rollout.max_turns) for t in trajs if len(t.turns) > k
+               for turn in (t.turns[k],)]  # call order: turn by turn, episodes in order
+    assert len(replies) == len(inner.samples) == len(gen.records)
+    cap = W.thought_cap(cfg.rollout)
+    for turn, sample, rec in zip(replies, inner.samples, gen.records):
+        k = rec["thought_tokens"]
+        assert 0 <= k <= cap
+        assert turn.response_ids[:k] == sample.token_ids[:k]  # the thought: the model's own ids, only cut
+        answer = W.format_reply("", list(turn.actions), True)[len("<think>"):]
+        assert list(turn.response_ids[k:]) == tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert parse_response(turn.response_text).think == rec["thought"].strip()
+        assert turn.parse_ok
+    # the sampling budget: the thought cap plus room for an answer, never more than the reply budget
+    assert max(len(s.token_ids) for s in inner.samples) <= min(cfg.rollout.max_new_tokens, cap + W.ANSWER_ROOM)
+    assert len({rec["thought"] for rec in gen.records}) >= 0.9 * len(gen.records)  # random weights: varied
+
+
+SCRIPT = {  # what the "model" continues with after the <think> prefill -> (thought kept, how, own actions?)
+    0: ("I see the box left of me. Push it.</think><answer>Left || Up</answer>", "I see the box left of me. Push it.",
+        "closed", ["Left", "Up"]),
+    1: ("box first</think><answer>Jump</answer>", "box first", "closed", None),  # no such action: random ones
+    2: ("A short plan. Then a very long rambling sentence that goes on and on and on and never ever ends at all " +
+        "because it keeps going on and on and on and on and on and on and on and on and on and on and on and on",
+        "A short plan.", "sentence", None),  # cut at its last sentence end within the cap
+    3: ("just this", "just this", "stopped", None),  # it ended its reply without closing the block
+    4: ("Think again<think>nested</think><answer>Up</answer>", "Think again", "closed", None),  # nested: not valid
+    5: ("Up</answer>", "Up", "closed", None),  # '</answer>' is a tag too: the thought ends before it; no answer
+}
+
+
+def test_self_distill_keeps_own_thought_ends_and_own_valid_answers(tok: PreTrainedTokenizerBase) -> None:
+    cfg = _cfg(*SOKOBAN[:-1], "rollout.max_actions_per_episode=9", "rollout.max_turns=1")
+    inner = ScriptedGenerator(tok, lambda call, row, prompt: SCRIPT[row][0])
+    seeds = list(range(6))
+    gen = W.SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, seeds, 1, np.random.default_rng(0))
+    trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds, 1)
+    for row, (traj, rec) in enumerate(zip(trajs, gen.records)):
+        _, thought, how, own = SCRIPT[row]
+        (turn,) = traj.turns
+        assert turn.parse_ok
+        # a cut is between sampled tokens: a space or a '.' merged into the tag's first token ('.</' in the
+        # tiny tokenizer; SmolLM2 merges only ' </') stays with the tag
+        assert rec["how"] == how and rec["thought"].rstrip() in (thought, thought.rstrip(".")), row
+        assert turn.response_text.startswith(f"<think>{rec['thought']}</think><answer>")
+        assert rec["own_actions"] == (own is not None)
+        if own is not None:
+            assert list(turn.actions) == own and rec["valid_as_sampled"]
+        else:
+            assert 1 <= len(turn.actions) <= 3
+    assert [r["valid_as_sampled"] for r in gen.records] == [True, False, False, False, False, False]
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+def test_nothink_replies_are_own_valid_answers_else_random(tok: PreTrainedTokenizerBase, prefill: bool) -> None:
+    cfg = _cfg(*SOKOBAN[:-1], "rollout.max_actions_per_episode=9", "rollout.max_turns=1", "rollout.think=false",
+               f"rollout.prefill={str(prefill).lower()}")
+    script = ["Up || left</answer>", "Jump</answer>", "no answer at all"]
+    inner = _Recording(ScriptedGenerator(tok, lambda call, row, prompt: script[row]))
+    gen = W.SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, [0, 1, 2], 1, np.random.default_rng(0))
+    trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, [0, 1, 2], 1)
+    assert trajs[0].turns[0].response_text == "<answer>Up || left</answer>"  # its own spelling, matched case-blind
+    assert [r["own_actions"] for r in gen.records] == [True, False, False]
+    assert all(t.turns[0].parse_ok and re.fullmatch(r"<answer>[^<>]+</answer>", t.turns[0].response_text)
+               for t in trajs)
+    # without the prefill the generator opens <answer> itself: either way the model continues inside it, once
+    for prompt in inner.inner.calls[0].prompts:
+        tail = tok.decode(list(prompt[-12:]))
+        assert tail.endswith("<answer>") and not tail.endswith("<answer><answer>")
+
+
+def test_without_prefill_the_generator_opens_think_itself(tok: PreTrainedTokenizerBase) -> None:
+    cfg = _cfg(*SOKOBAN[:-1], "rollout.max_actions_per_episode=9", "rollout.max_turns=1", "rollout.prefill=false")
+    inner = ScriptedGenerator(tok, lambda call, row, prompt: SCRIPT[0][0])
+    gen = W.SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, [0], 1, np.random.default_rng(0))
+    (traj,) = run_rollouts(cfg.env, gen, tok, cfg.rollout, [0], 1)
+    opened = tok("<think>", add_special_tokens=False)["input_ids"]
+    assert list(inner.calls[0].prompts[0][-len(opened):]) == opened  # the model continues inside <think>
+    assert traj.meta["prefill"] == ""
+    assert traj.turns[0].response_text == "<think>I see the box left of me. Push it</think><answer>Left || Up</answer>"
+    assert list(traj.turns[0].response_ids[:len(opened)]) == opened  # the opened tag is part of the reply
+    # (the '.' went with the tiny tokenizer's '.</' token: cuts fall between sampled tokens)
+
+
+def test_cut_thought_rules(tok: PreTrainedTokenizerBase) -> None:
+    def cut(text: str, cap: int, stopped: bool = False) -> tuple[str, str]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        k, how = W.cut_thought(tok, ids, cap, stopped)
+        return tok.decode(ids[:k]), how
+
+    text = "Hello there. How are you? I am fine and"
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert cut(text, 100) == ("Hello there. How are you?", "sentence")  # the last sentence end within the cap
+    assert cut(text, 100, stopped=True) == (text, "stopped")  # the model ended there itself
+    upto_first = len(tok("Hello there.", add_special_tokens=False)["input_ids"])
+    assert cut(text, upto_first) == ("Hello there.", "sentence")
+    assert cut(text, upto_first + 1)[0].rstrip() == "Hello there."  # (a space after the end may come along)
+    short, how = cut(text, upto_first - 1)  # no sentence end within the cap: the last word boundary
+    assert how == "length" and text.startswith(short) and text[len(short)] == " " and short
+    assert cut(text, n) == ("Hello there. How are you?", "sentence")
+    assert cut("Plan ahead.</think><answer>Up</answer>", 100)[1] == "closed"
+    assert cut("Plan ahead.</think><answer>Up</answer>", 100)[0].rstrip(".") == "Plan ahead"
+    assert cut("<answer>Up</answer>", 100) == ("", "closed")
+    # a tag beyond the cap does not count: cut as if there were none
+    assert cut("One. Two three four five six seven eight nine ten</think>", 3)[1] in ("sentence", "length")
+    # a cut never splits a character (each of these is several bytes, maybe several tokens)
+    for cap in range(1, 12):
+        thought, _ = cut("√√√ √√ ✓✓✓ ok", cap)
+        assert "\ufffd" not in thought and "√√√ √√ ✓✓✓ ok".startswith(thought)
 
 
 @pytest.mark.parametrize("env_name", ["Sokoban", "FrozenLake", "Bandit", "Countdown"])
 @pytest.mark.parametrize("think", [True, False])
-def test_replies_follow_the_format_with_random_valid_actions(tok: PreTrainedTokenizerBase, env_name: str,
-                                                             think: bool) -> None:
+def test_random_policy_replies_follow_the_format_with_random_valid_actions(tok: PreTrainedTokenizerBase,
+                                                                           env_name: str, think: bool) -> None:
     cfg = _cfg(f"env.name={env_name}", f"rollout.think={str(think).lower()}", "rollout.max_actions_per_turn=3")
     trajs = W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 48)
     turns = [turn for t in trajs for turn in t.turns]
@@ -126,11 +305,8 @@ def test_replies_follow_the_format_with_random_valid_actions(tok: PreTrainedToke
         parsed = parse_response(turn.response_text, think=think, max_actions=3)
         assert turn.parse_ok and parsed.ok and parsed.n_cut == 0
         counts.add(len(parsed.actions))
-        if think:
-            assert parsed.think in W.GENERIC_THOUGHTS
-            assert re.fullmatch(r"<think>[^<>]+</think><answer>[^<>]+</answer>", turn.response_text)
-        else:
-            assert re.fullmatch(r"<answer>[^<>]+</answer>", turn.response_text)
+        pattern = r"<think></think><answer>[^<>]+</answer>" if think else r"<answer>[^<>]+</answer>"
+        assert re.fullmatch(pattern, turn.response_text)  # an empty thought: this data is never trained on
         if not env.free_form_actions:
             assert set(parsed.actions) <= set(env.action_names)
     if env.free_form_actions:
@@ -141,32 +317,11 @@ def test_replies_follow_the_format_with_random_valid_actions(tok: PreTrainedToke
         assert used == set(env.action_names)  # uniform random actions reach every action
 
 
-def test_generic_thoughts_name_no_action_of_any_env() -> None:
-    names = set()
-    for name in list_envs():
-        env = make(name)
-        if not env.free_form_actions:
-            names |= {a.casefold() for a in env.action_names}
-    for thought in W.GENERIC_THOUGHTS:
-        words = {w.casefold() for w in re.findall(r"[A-Za-z]+", thought)}
-        assert not words & names, thought
-        assert "||" not in thought and "<" not in thought
-
-
-def test_short_reply_budget_picks_a_thought_that_fits_or_says_why(tok: PreTrainedTokenizerBase) -> None:
-    def n_ids(thought: str) -> int:  # the longer of the two arms' replies after the <think> prefill, + 1 for the stop
-        return 1 + max(len(tok(W.format_reply(thought, [arm], True)[len("<think>"):],
-                               add_special_tokens=False)["input_ids"])
-                       for arm in ("Phoenix", "Dragon"))
-
-    budget = min(n_ids(th) for th in W.GENERIC_THOUGHTS)
-    assert budget < max(n_ids(th) for th in W.GENERIC_THOUGHTS)  # most drawn thoughts do not fit
-    cfg = _cfg(*BANDIT[:-1], f"rollout.max_new_tokens={budget}")
-    trajs = W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 16)
-    assert all(t.turns[0].parse_ok and t.turns[0].finish_reason == "stop" for t in trajs)
-    assert all(n_ids(parse_response(t.turns[0].response_text).think) == budget for t in trajs)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_reply_budget_too_small_for_the_format_says_so(tok: PreTrainedTokenizerBase, kind: str) -> None:
+    cfg = _cfg(*BANDIT[:-1], "rollout.max_new_tokens=4")
     with pytest.raises(ValueError, match="too small"):
-        W.synthetic_dialogues(cfg.env, dataclasses.replace(cfg.rollout, max_new_tokens=4), tok, 1)
+        _dialogues(kind, cfg, tok, 1)
 
 
 def test_random_policy_level_of_bandit_is_one_half(tok: PreTrainedTokenizerBase) -> None:
@@ -265,10 +420,17 @@ def test_warmup_trains_once_then_hits_the_cache_and_force_rebuilds(data_dir: Pat
     rng_before = torch.random.get_rng_state()
     path = W.warmup_model(cfg)
     assert torch.equal(torch.random.get_rng_state(), rng_before)  # the caller's RNG stream is untouched
-    assert path.parent == data_dir / "models" and path.name.startswith("warmup-tiny-random-0-Bandit-")
+    assert path.parent == data_dir / "models" and path.name.startswith("warmup-self_distill-tiny-random-0-Bandit-")
     assert check_model_dir(path) is None and trainings == [1]
     marker = json.loads((path / MARKER).read_text())
-    assert (marker["steps"], marker["lr"], marker["env"], marker["base"]) == (3, 1e-4, "Bandit", TINY)
+    assert (marker["method"], marker["steps"], marker["lr"], marker["env"], marker["base"]) == \
+           ("self_distill", 3, 1e-4, "Bandit", TINY)
+    assert marker["dialogues"] == 3 * 8 and marker["replies"] == 24 and marker["format_version"] == W.FORMAT_VERSION
+    for key in ("validity_before", "validity_after", "own_thought_end", "own_actions", "distinct_first_thoughts"):
+        assert 0.0 <= marker[key] <= 1.0, key
+    assert 0 <= marker["thought_tokens"] <= marker["thought_cap"] == 24  # half of the 48-token reply budget
+    facts = W.warmup_facts(path)
+    assert facts["method"] == "self_distill" and facts["dir"] == path.name and "validity_after" in facts
     assert W.warmup_model(cfg) == path and trainings == [1]  # cache hit: no training
     assert W.warmup_model(cfg, force=True) == path and trainings == [1, 1]
     assert json.loads((path / MARKER).read_text())["created"] >= marker["created"]
@@ -285,26 +447,63 @@ def test_warmup_key_covers_what_changes_the_training_and_nothing_else(data_dir: 
     base = _cfg(*BANDIT)
     key = W.warmup_key(base, "fp")
     same = [_cfg(*BANDIT, "trainer.seed=7"), _cfg(*BANDIT, "trainer.iterations=3"), _cfg(*BANDIT, "trainer.actor_lr=0.1"),
-            _cfg(*BANDIT, "rollout.temperature=0.5"), _cfg(*BANDIT, "model.warmup=true")]
+            _cfg(*BANDIT, "rollout.temperature=0.5")]
     assert all(W.warmup_key(c, "fp") == key for c in same)
     different = [_cfg(*BANDIT, "rollout.think=false"), _cfg(*BANDIT, "env.name=BanditRev"),
                  _cfg(*BANDIT, "model.warmup_steps=5"), _cfg(*BANDIT, "model.warmup_lr=0.001"),
                  _cfg(*BANDIT, "rollout.max_new_tokens=64"), _cfg(*BANDIT, "rollout.system_prompt=Hi"),
-                 _cfg(*BANDIT, "env.params={high_risk_prob: 0.5}"), _cfg(*BANDIT, "model.name=tiny-random:1")]
+                 _cfg(*BANDIT, "env.params={high_risk_prob: 0.5}"), _cfg(*BANDIT, "model.name=tiny-random:1"),
+                 _cfg(*BANDIT, "rollout.prefill=false"), _cfg(*BANDIT, "model.warmup=none")]
     keys = {W.warmup_key(c, "fp") for c in different} | {W.warmup_key(base, "other weights")}
     assert key not in keys and len(keys) == len(different) + 1
 
 
+def test_warmup_is_a_named_choice_and_the_old_boolean_is_refused() -> None:
+    assert build_config(ExperimentConfig, {}).model.warmup == "none"
+    for old in ("true", "false"):
+        with pytest.raises(ConfigError, match=r"model\.warmup: .* not allowed; choose one of \['none', 'self_distill'\]"):
+            build_config(ExperimentConfig, apply_overrides({}, [f"model.warmup={old}"]))
+    with pytest.raises(ValueError, match="nothing to warm up"):
+        W.warmup_model(_cfg(*BANDIT, "model.warmup=none"))
+
+
+def test_every_experiment_states_its_warmup() -> None:
+    # The warm-up decides what RL starts from, so no experiment leaves it to a default or to a file it extends.
+    files = sorted(p for p in EXPERIMENTS.glob("*.yaml") if not p.name.startswith("_"))
+    assert len(files) >= 10
+    for path in files:
+        raw = yaml.safe_load(path.read_text())
+        assert raw.get("model", {}).get("warmup") in W.METHODS, path.name
+        assert load_experiment(path).model.warmup == raw["model"]["warmup"]
+
+
+def test_a_run_from_a_warmed_model_says_so_and_logs_the_warmups_facts(data_dir: Path) -> None:
+    from ragen_core.session import open_session
+    from ragen_core.tracking import NullLogger
+
+    cfg = load_experiment(EXPERIMENTS / "smoke.yaml", ["model.warmup=self_distill", "model.warmup_steps=2",
+                                                       "model.device=cpu"])
+    lines: list[str] = []
+    logger = NullLogger()
+    sess = open_session(cfg, logger, data_dir / "runs" / "r", say=lines.append)
+    assert sess.cfg.model.name == "tiny-random"
+    started = [line for line in lines if line.startswith("starting from the self_distill format warm-up")]
+    assert len(started) == 1 and "format validity" in started[0]
+    assert logger.params["warmup.method"] == "self_distill" and logger.params["warmup.steps"] == 2
+    assert {"warmup.validity_before", "warmup.validity_after", "warmup.dir"} <= set(logger.params)
+
+
 def test_warmed_tiny_model_learns_the_format(data_dir: Path, tok: PreTrainedTokenizerBase) -> None:
-    # The tiny model starts from random weights, so it needs more steps and a higher lr than the real
-    # one (which reaches >= 90% validity within ten steps at 1e-4, bench/warmup.py). Calibrated on
-    # this seed: validity 0/16 before, 14/16 after 150 steps decaying from 1e-2 (loss 6.78 -> 0.54);
-    # the bounds leave room.
+    # The tiny model starts from random weights: its own "thoughts" are random tokens, mostly cut at the
+    # 24-token cap or at a stray '.' or line break, so it must learn to close a thought it cannot read.
+    # It needs more steps and a higher lr than the real model (bench/warmup.py). Calibrated on this seed:
+    # validity 0/16 before, 12/16 after (0.81 on the marker's 32 first turns), loss 6.78 -> 4.69 (its own
+    # random thoughts stay unpredictable, as they should); the bounds leave room.
     cfg = _cfg(*BANDIT, "model.warmup_steps=150", "model.warmup_lr=0.01")
     before = W.measure_format(load_model(TINY), tok, cfg, 16)
     path = W.warmup_model(cfg)
     marker = json.loads((path / MARKER).read_text())
-    assert marker["loss_last"] < 0.2 * marker["loss_first"]
+    assert marker["loss_last"] < marker["loss_first"], marker  # most tokens are its own random thoughts: little to learn
     warmed, warmed_tok = load_model(str(path)), load_tokenizer(str(path))
     assert warmed_tok.get_vocab() == tok.get_vocab()
     system = cfg.rollout.system_prompt  # the saved tokenizer renders dialogues exactly as the base one
@@ -312,4 +511,4 @@ def test_warmed_tiny_model_learns_the_format(data_dir: Path, tok: PreTrainedToke
     base_weights = load_model(TINY).state_dict()
     assert any(not torch.equal(v, base_weights[k]) for k, v in warmed.state_dict().items())
     after = W.measure_format(warmed, warmed_tok, cfg, 16)
-    assert before["validity"] <= 0.1 and after["validity"] >= 0.6, (before, after)
+    assert before["validity"] <= 0.1 and after["validity"] >= 0.6, (before, after, marker)
