@@ -56,9 +56,10 @@ def train(
                     s.record_final_eval(sess, val)
                     break
             rollouts = t.rollout(sess)
+            diagnostics = t.diagnose(sess, rollouts) if s.collapse_due(sess) else None
             selection = t.filter_groups(sess, rollouts)
             stats = t.update(sess, selection)
-            t.record(sess, rollouts, selection, stats, val)
+            t.record(sess, rollouts, selection, stats, val, diagnostics)
             if s.checkpoint_due(sess):
                 t.checkpoint(sess)
         if s.final_eval_due(sess):

@@ -27,6 +27,7 @@ __all__ = [
     "PRESETS",
     "AlgorithmConfig",
     "ConfigError",
+    "DiagnosticsConfig",
     "EnvConfig",
     "EvalConfig",
     "ExperimentConfig",
@@ -79,8 +80,8 @@ class ModelConfig:
         "none", "format warm-up the run starts from (ragen model warmup; made once and cached): none, or "
                 "self_distill (the model's own sampled thoughts put in the format). The old boolean is gone: "
                 "true meant canned thoughts, which collapsed reasoning")
-    warmup_steps: int = F(60, "supervised steps of the format warm-up", ge=1)
-    warmup_lr: float = F(1e-4, "AdamW learning rate of the format warm-up (full fine-tuning)", gt=0.0)
+    warmup_steps: int = F(30, "supervised steps of the format warm-up (8 dialogues each)", ge=1)
+    warmup_lr: float = F(2e-4, "AdamW learning rate of the format warm-up (full fine-tuning, decayed linearly to 0)", gt=0.0)
     lora_rank: int = F(0, "LoRA rank; 0 means full fine-tuning (reference LoRA: 64)", ge=0)
     lora_alpha: int = F(64, "LoRA alpha", ge=1)
     lora_target: str = F("all-linear", "peft target_modules ('all-linear' or a comma list)")
@@ -278,6 +279,17 @@ class HealthConfig:
     template_patience: int = F(2, "MI measurements in a row", ge=1)
 
 
+@dataclass(frozen=True)
+class DiagnosticsConfig:
+    """Template-collapse diagnostics (SPEC §8; RAGEN-2): MI between prompts and reasonings, in-batch."""
+
+    collapse_every: int = F(5, "measure every N iterations (and at the first); 0 disables", ge=0)
+    collapse_samples: int = F(32, "most first-turn reasonings scored per measurement (a seeded draw)", ge=2)
+    collapse_later_samples: int = F(8, "most later-turn reasonings scored (one drawn turn per drawn trajectory); "
+                                       "0 skips later turns", ge=0)
+    collapse_ema: float = F(0.9, "decay of the EMA of the marginal std that normalises mi_zscore_ema", ge=0.0, lt=1.0)
+
+
 PRESET_NAMES = ("starpo", "starpo-s", "grpo", "starpo-s-snr", "custom")
 
 
@@ -296,6 +308,7 @@ class ExperimentConfig:
     trainer: TrainerConfig = F(TrainerConfig(), "optimisation and run control")
     tracking: TrackingConfig = F(TrackingConfig(), "MLflow tracking")
     health: HealthConfig = F(HealthConfig(), "collapse monitor")
+    diagnostics: DiagnosticsConfig = F(DiagnosticsConfig(), "template-collapse diagnostics")
 
     def __post_init__(self) -> None:
         r, a = self.rollout, self.algorithm

@@ -8,7 +8,7 @@
     run_to_end(sess)     # per iteration: (evaluate) -> rollout -> filter -> update -> log -> (checkpoint)
     finish(sess)
 
-Each step is its own function (evaluate_policy, collect_rollouts, select_groups, update_policy,
+Each step is its own function (evaluate_policy, collect_rollouts, diagnose, select_groups, update_policy,
 record_iteration, save_run_checkpoint, record_final_eval) so the flow can make each a task. Nothing here imports
 Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7).
 """
@@ -78,6 +78,7 @@ class Session:
         self.logger = logger  # ragen_core.tracking.MetricLogger
         self.monitor = monitor  # ragen_core.tracking.CollapseMonitor
         self.rules = rules  # ragen_core.tracking.EarlyStopRules
+        self.collapse_ema: dict[str, float] = {}  # EMA of the marginal std per collapse/ scope (RAGEN-2)
         self.model_max_length = model_max_length
         self.history = history
         self.stop_reason: str | None = None
@@ -169,6 +170,9 @@ def open_session(
             saved = {"echo": saved, "rules": {}}
         monitor.load_state_dict(saved["echo"])
         rules.load_state_dict(saved["rules"])
+        collapse_ema = {str(k): float(v) for k, v in saved.get("collapse_ema", {}).items()}
+    else:
+        collapse_ema = {}
     history = _read_history(run_dir, state.iteration)
     tokenizer = load_tokenizer(model_spec)
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
@@ -177,8 +181,10 @@ def open_session(
                                    **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
                                       if cfg.rollout.backend == "hf" else {}))
     (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
-    return Session(cfg, run_dir, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,
+    sess = Session(cfg, run_dir, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,
                    progress)
+    sess.collapse_ema = collapse_ema
+    return sess
 
 
 def _yaml(data: dict[str, Any]) -> str:
@@ -267,6 +273,42 @@ def update_policy(sess: Session, selection: Selection) -> UpdateStats:
     return stats
 
 
+def collapse_due(sess: Session) -> bool:
+    """Template-collapse diagnostics run on this iteration's rollouts (every ``diagnostics.collapse_every``)."""
+    every = sess.cfg.diagnostics.collapse_every
+    return every > 0 and sess.iteration % every == 0
+
+
+def diagnose(sess: Session, rollouts: RolloutBatch) -> dict[str, float]:
+    """RAGEN-2's template-collapse metrics of this iteration's rollouts, under ``collapse/`` (SPEC §8).
+
+    First turns and (for multi-turn envs) one uniformly drawn later turn per drawn trajectory,
+    each on a seeded sample capped by ``diagnostics``; the MI z-score is also normalised by an EMA of
+    the marginal std, kept across iterations (and checkpoints) as the reference does.
+    """
+    import numpy as np
+
+    from ragen_core.algos.collapse import MI_ZSCORE_EPS
+    from ragen_core.trainer.collapse import measure_collapse, measure_later_turns
+
+    d, trajs = sess.cfg.diagnostics, rollouts.trajectories
+    rng = np.random.default_rng([sess.cfg.trainer.seed, rollouts.iteration, 7])
+    picked = [trajs[i] for i in sorted(rng.permutation(len(trajs))[: d.collapse_samples])]
+    model = sess.state.models.actor
+    scopes = {"first_turn": measure_collapse(model, sess.tokenizer, picked)}
+    if d.collapse_later_samples and any(len(t.turns) > 1 for t in trajs):
+        scopes["later_turns"] = measure_later_turns(model, sess.tokenizer, trajs, d.collapse_later_samples, rng)
+    out: dict[str, float] = {}
+    for scope, m in scopes.items():
+        if "marginal_std" in m:  # the EMA-normalised z-score (RAGEN-2 reference metrics, §7.3)
+            prev = sess.collapse_ema.get(scope)
+            ema = m["marginal_std"] if prev is None else d.collapse_ema * prev + (1 - d.collapse_ema) * m["marginal_std"]
+            sess.collapse_ema[scope] = ema
+            m = {**m, "marginal_std_ema": ema, "mi_zscore_ema": m["mi"] / (ema + MI_ZSCORE_EPS)}
+        out.update({f"collapse/{scope}/{k}": float(v) for k, v in m.items()})
+    return out
+
+
 def evaluate_policy(sess: Session, seeds: int | None = None) -> dict[str, float]:
     """Held-out seeds at the evaluation temperature on every eval env (SPEC §5)."""
     from ragen_core.rollout.evaluate import evaluate, heldout_seeds
@@ -298,14 +340,14 @@ def checkpoint_due(sess: Session) -> bool:
 
 
 def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection, stats: UpdateStats,
-                     val: dict[str, float] | None) -> dict[str, float]:
-    """Health check, metrics to the logger, the Parquet shard, readable samples, one summary line."""
+                     val: dict[str, float] | None, diagnostics: dict[str, float] | None = None) -> dict[str, float]:
+    """Health checks, metrics to the logger, the Parquet shard, readable samples, one summary line."""
     from ragen_core.store import write_shard
     from ragen_core.tracking import trajectories_text
     from ragen_core.tracking.early_stop import HEALTH_STOP
 
     cfg, step = sess.cfg, rollouts.iteration
-    metrics = {**rollouts.metrics, **selection.metrics, **stats.metrics, **(val or {})}
+    metrics = {**rollouts.metrics, **selection.metrics, **stats.metrics, **(val or {}), **(diagnostics or {})}
     report = sess.monitor.update(step, metrics.get("rollout/reward_std_all", metrics.get("rollout/reward_std", 0.0)),
                                  metrics.get("actor/entropy", 0.0), metrics.get("actor/grad_norm", 0.0))
     metrics.update(report.metrics)
@@ -359,8 +401,8 @@ def save_run_checkpoint(sess: Session) -> Path:
 
     target = sess.run_dir / "checkpoints" / f"iter={sess.iteration:06d}"
     save_checkpoint(sess.state, target)
-    (target / "health.json").write_text(json.dumps({"echo": sess.monitor.state_dict(),
-                                                    "rules": sess.rules.state_dict()}))
+    (target / "health.json").write_text(json.dumps({"echo": sess.monitor.state_dict(), "rules": sess.rules.state_dict(),
+                                                    "collapse_ema": sess.collapse_ema}))
     for old in sorted((sess.run_dir / "checkpoints").glob("iter=*"))[:-CHECKPOINTS_KEPT]:
         shutil.rmtree(old, ignore_errors=True)
     return target
@@ -380,9 +422,10 @@ def run_iteration(sess: Session) -> dict[str, float]:
     """(evaluate) -> rollout -> filter -> update -> record -> (checkpoint): the same steps as the flow."""
     val = evaluate_policy(sess) if eval_due(sess) else None
     rollouts = collect_rollouts(sess)
+    diagnostics = diagnose(sess, rollouts) if collapse_due(sess) else None  # the policy that sampled them
     selection = select_groups(sess, rollouts)
     stats = update_policy(sess, selection)
-    metrics = record_iteration(sess, rollouts, selection, stats, val)
+    metrics = record_iteration(sess, rollouts, selection, stats, val, diagnostics)
     if checkpoint_due(sess):
         save_run_checkpoint(sess)
     return metrics

@@ -21,6 +21,11 @@ def rollout(sess: s.Session) -> s.RolloutBatch:
     return s.collect_rollouts(sess)
 
 
+@task(name="diagnose", cache_policy=NO_CACHE)
+def diagnose(sess: s.Session, rollouts: s.RolloutBatch) -> dict[str, float]:
+    return s.diagnose(sess, rollouts)
+
+
 @task(name="filter", cache_policy=NO_CACHE)
 def filter_groups(sess: s.Session, rollouts: s.RolloutBatch) -> s.Selection:
     return s.select_groups(sess, rollouts)
@@ -38,8 +43,8 @@ def evaluate(sess: s.Session) -> dict[str, float]:
 
 @task(name="record", cache_policy=NO_CACHE)
 def record(sess: s.Session, rollouts: s.RolloutBatch, selection: s.Selection, stats: UpdateStats,
-           val: dict[str, float] | None) -> dict[str, float]:
-    return s.record_iteration(sess, rollouts, selection, stats, val)
+           val: dict[str, float] | None, diagnostics: dict[str, float] | None = None) -> dict[str, float]:
+    return s.record_iteration(sess, rollouts, selection, stats, val, diagnostics)
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ragen_core.algos import losses
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 
     from ragen_core.types import Trajectory
 
-__all__ = ["THINK_OPEN", "ReasoningPairs", "cross_logprobs", "first_turn_pairs", "measure_collapse"]
+__all__ = ["THINK_OPEN", "ReasoningPairs", "cross_logprobs", "first_turn_pairs", "later_turn_pairs", "measure_collapse",
+           "measure_later_turns"]
 
 THINK_OPEN = "<think>"
 _THINK_BLOCK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
@@ -67,21 +69,45 @@ class ReasoningPairs:
 
 def first_turn_pairs(trajectories: Sequence[Trajectory], tokenizer: PreTrainedTokenizerBase) -> ReasoningPairs:
     """The (X, Z) pairs of the trajectories' first turns (module docstring says what X and Z are)."""
+    return _pairs([(t, 0, tuple(t.turns[0].prompt_ids)) for t in trajectories if t.turns], tokenizer)
+
+
+def later_turn_pairs(trajectories: Sequence[Trajectory], tokenizer: PreTrainedTokenizerBase, n: int,
+                     rng: np.random.Generator) -> ReasoningPairs:
+    """(X, Z) pairs of later turns, trajectory-uniform (RAGEN-2): up to ``n`` multi-turn trajectories drawn
+    without replacement, one turn t >= 1 drawn uniformly in each. X is the whole context the model saw
+    before turn t's reasoning (first prompt, the replies and prompt deltas up to turn t's, which ends with
+    the prefill); trajectories whose context was cut by the guard (``dropped_turns``) are left out.
+    Almost every later-turn context is its own prompt, so N is close to M."""
+    multi = [t for t in trajectories if len(t.turns) > 1 and t.dropped_turns == 0]
+    items = []
+    for i in sorted(rng.permutation(len(multi))[:n].tolist()):
+        traj = multi[i]
+        turn = int(rng.integers(1, len(traj.turns)))
+        x: list[int] = []
+        for k in range(turn):
+            x += [*traj.turns[k].prompt_ids, *traj.turns[k].response_ids]
+        items.append((traj, turn, (*x, *traj.turns[turn].prompt_ids)))
+    return _pairs(items, tokenizer)
+
+
+def _pairs(items: Sequence[tuple[Trajectory, int, tuple[int, ...]]],
+           tokenizer: PreTrainedTokenizerBase) -> ReasoningPairs:
+    """ReasoningPairs of (trajectory, turn index, context ids before the reply) items."""
     think_ids = tuple(int(i) for i in tokenizer(THINK_OPEN, add_special_tokens=False)["input_ids"])
     prompts: dict[tuple[int, ...], int] = {}
     reasonings, texts, cols = [], [], []
-    first_turns = [t.turns[0] for t in trajectories if t.turns]
-    for traj, turn in zip((t for t in trajectories if t.turns), first_turns):
-        found = _THINK_BLOCK.search(turn.response_text)
+    for traj, k, context in items:
+        found = _THINK_BLOCK.search(traj.turns[k].response_text)
         ids = tuple(int(i) for i in tokenizer(found.group(1), add_special_tokens=False)["input_ids"]) if found else ()
         if not ids:
             continue
         prefilled = str(traj.meta.get("prefill", "")).endswith(THINK_OPEN)
-        x = tuple(turn.prompt_ids) if prefilled else tuple(turn.prompt_ids) + think_ids
+        x = context if prefilled else context + think_ids
         cols.append(prompts.setdefault(x, len(prompts)))
         reasonings.append(ids)
         texts.append(found.group(1))
-    return ReasoningPairs(tuple(prompts), tuple(reasonings), tuple(texts), tuple(cols), len(first_turns))
+    return ReasoningPairs(tuple(prompts), tuple(reasonings), tuple(texts), tuple(cols), len(items))
 
 
 def _padded(reasonings: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,11 +215,22 @@ def measure_collapse(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
 
     Sequence-level metrics (``mi``, ``cond_entropy``, ``retrieval_acc``, ... in nats), plus ``mi_per_token``
     (the same MI from length-normalised log-probs, the reference's headline ``mi_estimate``),
-    ``n_first_turns``, ``distinct_reasonings`` (distinct texts), ``reasoning_tokens`` (mean length of Z)
-    and ``seconds`` (wall time of the matrix). With no usable reasoning only the counts are returned.
+    ``n_first_turns``, ``valid_share`` (turns with a closed, non-empty think block), ``distinct_reasonings``
+    (distinct texts), ``reasoning_tokens`` (mean length of Z) and ``seconds`` (wall time of the matrix).
+    With no usable reasoning only the counts are returned.
     """
-    pairs = first_turn_pairs(trajectories, tokenizer)
+    return _measure(model, first_turn_pairs(trajectories, tokenizer))
+
+
+def measure_later_turns(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                        trajectories: Sequence[Trajectory], n: int, rng: np.random.Generator) -> dict[str, float]:
+    """:func:`measure_collapse` on :func:`later_turn_pairs` (``n_first_turns`` then counts the drawn turns)."""
+    return _measure(model, later_turn_pairs(trajectories, tokenizer, n, rng))
+
+
+def _measure(model: torch.nn.Module, pairs: ReasoningPairs) -> dict[str, float]:
     counts = {"n_first_turns": float(pairs.n_first_turns), "n_reasonings": float(len(pairs.reasonings)),
+              "valid_share": len(pairs.reasonings) / max(pairs.n_first_turns, 1),
               "distinct_reasonings": float(len(set(pairs.texts)))}
     if not pairs.reasonings:
         return counts

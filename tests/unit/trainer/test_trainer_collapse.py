@@ -141,4 +141,30 @@ def test_no_usable_reasoning_gives_counts_only(tiny: tuple[PreTrainedModel, PreT
     cfg = _cfg()
     trajs = run_rollouts(cfg.env, ScriptedGenerator(tok, "<answer>Up</answer>"), tok, cfg.rollout, [0], 2)
     assert C.measure_collapse(model, tok, trajs) == {"n_first_turns": 2.0, "n_reasonings": 0.0,
-                                                     "distinct_reasonings": 0.0}
+                                                     "valid_share": 0.0, "distinct_reasonings": 0.0}
+
+
+def test_later_turn_pairs_draw_one_turn_per_trajectory_with_its_whole_context(
+        tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase]) -> None:
+    import numpy as np
+
+    model, tok = tiny
+    cfg = _cfg("rollout.max_turns=4")
+    # replies name their call and row, so each Z tells which turn of which trajectory was drawn
+    gen = ScriptedGenerator(tok, lambda call, row, prompt: f"<think>turn {call} row {row}</think><answer>Left</answer>")
+    trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds=[0, 1, 2], n_per_group=2)
+    assert all(len(t.turns) > 1 for t in trajs)
+    where = {turn.response_text: (t, k) for t in trajs for k, turn in enumerate(t.turns)}  # texts are unique
+    pairs = C.later_turn_pairs(trajs, tok, 4, np.random.default_rng(0))
+    assert pairs.n_first_turns == 4 and len(pairs.reasonings) == 4
+    for x, text in zip(pairs.prompts, pairs.texts):
+        t, turn = where[f"<think>{text}</think><answer>Left</answer>"]
+        assert turn >= 1  # a later turn
+        context = [i for k in range(turn) for i in (*t.turns[k].prompt_ids, *t.turns[k].response_ids)]
+        assert list(x) == context + list(t.turns[turn].prompt_ids)  # everything before the reasoning, <think> last
+        assert tok.decode(list(x)).endswith("<think>")
+    # the same generator state draws the same pairs; the metrics are the matrix's
+    again = C.later_turn_pairs(trajs, tok, 4, np.random.default_rng(0))
+    assert again == pairs
+    m = C.measure_later_turns(model, tok, trajs, 4, np.random.default_rng(0))
+    assert m["n_prompts"] == 4.0 and m["valid_share"] == 1.0 and m["mi"] <= m["mi_upper_bound"] + 1e-6

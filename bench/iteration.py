@@ -1,0 +1,82 @@
+"""Benchmark: where the seconds of a training iteration go, on the demo with its defaults (plain session).
+
+Runs ``experiments/demo.yaml`` (or another experiment) for ``--iterations`` iterations through
+``ragen_core.session`` without Prefect or MLflow (a NullLogger), and times each step the flow chains:
+evaluation, rollout, collapse diagnostics, filter, update, record (health checks, Parquet shard,
+summary line) and checkpoint. The diagnostics run every ``diagnostics.collapse_every`` iterations, so
+their share is reported per measuring iteration and amortised over the run (issue 15: at most 10%).
+
+Run:  .venv/bin/python bench/iteration.py [--iterations 5] [--set key=value ...] [experiments/demo.yaml]
+The last line printed is one JSON object: {"seconds": {...}, "share": {...}, "diagnostics_share": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from ragen_core import session as s
+from ragen_core.config import load_experiment
+from ragen_core.tracking import NullLogger
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", nargs="?", default=str(ROOT / "experiments" / "demo.yaml"))
+    parser.add_argument("--iterations", type=int, default=5, help="iterations timed (default: one collapse period)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
+    args = parser.parse_args()
+    cfg = load_experiment(args.experiment, [f"trainer.iterations={args.iterations}", "trainer.checkpoint_every=0",
+                                            *args.overrides])
+    seconds: dict[str, float] = defaultdict(float)
+    measured: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        sess = s.open_session(cfg, NullLogger(), Path(tmp) / "run", say=lambda line: None)
+        started = time.perf_counter()
+        while not sess.done:
+            t0 = time.perf_counter()
+            val = s.evaluate_policy(sess) if s.eval_due(sess) else None
+            t1 = time.perf_counter()
+            rollouts = s.collect_rollouts(sess)
+            t2 = time.perf_counter()
+            diag = s.diagnose(sess, rollouts) if s.collapse_due(sess) else None
+            t3 = time.perf_counter()
+            selection = s.select_groups(sess, rollouts)
+            t4 = time.perf_counter()
+            stats = s.update_policy(sess, selection)
+            t5 = time.perf_counter()
+            s.record_iteration(sess, rollouts, selection, stats, val, diag)
+            t6 = time.perf_counter()
+            for key, a, b in (("evaluate", t0, t1), ("rollout", t1, t2), ("diagnostics", t2, t3), ("filter", t3, t4),
+                              ("update", t4, t5), ("record", t5, t6)):
+                seconds[key] += b - a
+            if diag is not None:
+                measured.append(t3 - t2)
+                print(f"iteration {rollouts.iteration}: diagnostics {t3 - t2:.2f} s of {t6 - t0:.2f} s "
+                      f"(MI {diag.get('collapse/first_turn/mi', float('nan')):.3f}, "
+                      f"{int(diag.get('collapse/first_turn/n_reasonings', 0))} reasonings, "
+                      f"{int(diag.get('collapse/first_turn/n_prompts', 0))} prompts)", flush=True)
+        total = time.perf_counter() - started
+    share = {k: v / total for k, v in seconds.items()}
+    every = cfg.diagnostics.collapse_every
+    result = {
+        "experiment": Path(args.experiment).name, "iterations": args.iterations, "collapse_every": every,
+        "seconds": {k: round(v, 2) for k, v in seconds.items()}, "total_s": round(total, 2),
+        "share": {k: round(v, 4) for k, v in share.items()},
+        "diagnostics_share": round(share["diagnostics"], 4),
+        "diagnostics_s_per_measurement": round(sum(measured) / max(len(measured), 1), 2),
+    }
+    for k, v in sorted(share.items(), key=lambda kv: -kv[1]):
+        print(f"{k:12s} {seconds[k]:8.2f} s  {v:6.1%}")
+    print(f"diagnostics share of the run: {share['diagnostics']:.1%} (measured every {every} iterations; target <= 10%)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
