@@ -122,6 +122,31 @@ def test_micro_batch_invariance_one_of_eight_vs_eight_of_one(preset: str, agg: s
     assert norms[1] == pytest.approx(norms[8], rel=1e-5)
 
 
+def test_default_gradient_weights_each_trajectory_once() -> None:
+    # Issue 12 item 2: by default (seq-mean-token-mean) the actor's gradient is that of the policy loss
+    # averaged over each row's tokens, then over rows (make_batch's rows have 4-10 loss tokens each),
+    # accumulated exactly over uneven micro-batches of 3; token-mean would weight long rows more.
+    cfg = make_cfg("grpo", "algorithm.kl_coef=0.0", "algorithm.entropy_coef=0.0", "trainer.micro_batch_size=3")
+    assert cfg.algorithm.loss_agg == "seq-mean-token-mean"
+    batch = make_batch()
+    state = init_state(cfg)
+    reference = init_state(cfg).models.actor
+    seen = _capture_grads(state.actor_engine)
+    update(state, batch, cfg)
+
+    from ragen_core.algos.advantages import grpo
+
+    adv = grpo(batch.returns, batch.group_ids)[:, None] * batch.loss_mask
+    out = policy_forward(reference, batch.input_ids, batch.attention_mask, cfg.rollout.temperature, chunk=4)
+    per_token, _ = losses.policy_loss(out.logprobs, batch.old_logprobs, adv, batch.loss_mask, clip_low=0.2,
+                                      clip_high=0.2, dual_clip=3.0, agg="seq-mean-token-mean")
+    per_token.backward()
+    for got, want in zip(seen[0], [p.grad for p in reference.parameters() if p.requires_grad]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    lengths = batch.loss_mask.sum(1)
+    assert int(lengths.min()) < int(lengths.max())  # rows of different lengths: the two aggregations differ
+
+
 def test_gradient_is_the_whole_mini_batch_token_mean() -> None:
     # GRPO without KL and with a zero entropy bonus: the actor loss is exactly policy_loss over the
     # whole batch (token-mean over all 53 loss tokens). The trainer's accumulated gradient over
