@@ -426,6 +426,7 @@ def test_warmup_trains_once_then_hits_the_cache_and_force_rebuilds(data_dir: Pat
     assert (marker["method"], marker["steps"], marker["lr"], marker["env"], marker["base"]) == \
            ("self_distill", 3, 2e-4, "Bandit", TINY)
     assert marker["dialogues"] == 3 * 8 and marker["replies"] == 24 and marker["format_version"] == W.FORMAT_VERSION
+    assert (marker["states"], marker["dialogue_turns"]) == (6, 1)  # first turns, four replies per state
     for key in ("validity_before", "validity_after", "own_thought_end", "own_actions", "distinct_first_thoughts"):
         assert 0.0 <= marker[key] <= 1.0, key
     assert 0 <= marker["thought_tokens"] <= marker["thought_cap"] == 24  # half of the 48-token reply budget
