@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ragen_core.rollout.prompts import make_renderer
 from ragen_core.rollout.loop import Progress, run_rollouts
 from ragen_core.rollout.metrics import pass_at_n
+from ragen_core.rollout.prompts import make_renderer
 from ragen_core.types import Trajectory
 
 if TYPE_CHECKING:

@@ -25,11 +25,9 @@ Run the tests with ``python -m pytest tests/unit/trainer -q``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
-
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 

@@ -98,7 +98,7 @@ def test_episode_budget_follows_the_config(tok: PreTrainedTokenizerBase) -> None
     assert episode_env(EnvConfig(name="Sokoban", params={"max_steps": 12}), cfg).max_steps == 12  # explicit wins
     assert episode_env(BANDIT, cfg).max_steps == 1  # one pull is a rule of the game
     # bumping into walls spends actions without solving: the episode uses all 30
-    wall = "<think>x</think><answer>" + " || ".join(["Up", "Up", "Up", "Left", "Left", "Left"]) + "</answer>"
+    wall = "<think>x</think><answer>" + "Up || Up || Up || Left || Left || Left" + "</answer>"
     (t,) = run_rollouts(SOKOBAN, ScriptedGenerator(tok, wall), tok, cfg, seeds=[5], n_per_group=1)
     assert "You have 30 actions left" in t.meta["user_texts"][0]
     assert not t.success and len(t.turns) == 5 and sum(len(turn.actions) for turn in t.turns) == 30

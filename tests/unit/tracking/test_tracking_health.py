@@ -155,7 +155,6 @@ def test_bad_thresholds_are_refused(kwargs: dict) -> None:
 
 def test_accepts_the_health_config_section() -> None:
     from ragen_core.config import ExperimentConfig, to_dict
-
     from ragen_core.tracking import EarlyStopRules
 
     echo_keys = ("action", "baseline_iters", "std_drop", "entropy_drop", "grad_z", "patience")
