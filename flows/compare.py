@@ -1,6 +1,8 @@
 """The comparison flow: runs side by side from MLflow, as a table and paper-style PNG curves.
 
     ragen compare bandit-starpo-20260101-120000 bandit-starpo-s-20260101-130000 --out compare-out
+    ragen compare --parent echo-trap-bandit --group-by preset --out compare-out   # a study's runs, by preset
+    ragen compare --tag study=echo-trap-bandit --tag env=Bandit --group-by preset
     python -c "from flows.compare import compare; print(compare(['<run id>', '<run name>']))"
 
 Each run is an MLflow run id or run name (a run's name is its run directory's name). Writes
@@ -17,13 +19,22 @@ from pathlib import Path
 from prefect import flow
 
 from ragen_core import compare as cmp
-from ragen_core.tracking.history import tracking_uri_for
+from ragen_core.sweeps.aggregate import study_metrics, write_study
+from ragen_core.tracking.history import find_group, tracking_uri_for
 from tasks import eval_steps as t
 
 
 @flow(name="ragen-compare")
-def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | None = None) -> str:
+def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | None = None,
+            tags: dict[str, str] | None = None, parent: str | None = None, group_by: str | None = None,
+            drop: float = 0.15) -> str:
     """Compare ``runs`` (MLflow run ids or names; LookupError for an unknown one); returns the table.
+
+    Groups of runs as well: ``tags`` (every run carrying all of them) and ``parent`` (every run nested
+    under that run, e.g. a study's or sweep's parent) add their runs to ``runs``. With ``group_by`` (a tag:
+    ``preset``, ``algo``) the runs are also aggregated by its value (ragen_core/sweeps/aggregate.py): curves
+    with a band over seeds, a table per group (final and peak success mean ± std, collapsed seeds at a
+    success ``drop``), and the monitor's hits and misses, as ``study/`` in ``out_dir``.
 
     ``tracking_uri`` defaults to the one recorded in the first run given by a local run name or
     directory, else ``$MLFLOW_TRACKING_URI`` or ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``.
@@ -33,15 +44,24 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
     run: a training run is the record of that training, so a comparison gets its own record next to it
     rather than being attached to one of the runs it compares.
     """
-    if not runs:
-        raise LookupError("ragen compare needs at least one run id or run name")
-    uri = tracking_uri or tracking_uri_for(runs)
-    fetched = t.fetch_runs(uri, list(runs))
+    refs = list(runs)
+    if not refs and not tags and parent is None:
+        raise LookupError("ragen compare needs at least one run id or run name, a --tag or a --parent")
+    uri = tracking_uri or tracking_uri_for(refs)
+    if tags or parent is not None:
+        refs += [r for r in find_group(uri, tags, parent) if r not in refs]
+    fetched = t.fetch_runs(uri, refs, study_metrics() if group_by else ())
     histories = [f.history for f in fetched]
     files = cmp.write_outputs(histories, Path(out_dir))
+    study_md = ""
+    if group_by:
+        paths = write_study(histories, Path(out_dir) / "study", group_by=group_by, drop=drop,
+                            title=f"{len(histories)} runs by {group_by}")
+        files += list(paths.values())
+        study_md = "\n" + paths["md"].read_text()
     name = f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     tags = {"kind": "compare", "compared_runs": ",".join(h.run_id for h in histories)}
     run_id = t.log_comparison(uri, fetched[0].experiment_id, name, tags, files)
-    return (cmp.table_markdown([cmp.summarize(h) for h in histories])
+    return (cmp.table_markdown([cmp.summarize(h) for h in histories]) + study_md
             + f"\nwritten to {Path(out_dir).resolve()}: {', '.join(f.name for f in files)}"
             + f"\nlogged as MLflow run {name} ({run_id}) at {uri}")

@@ -76,6 +76,8 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
                 break
             finished = now
         summary = st.publish_results(plan, study, parent, url)
+        if plan.sweep.group_by:
+            summary += "\n\n" + st.publish_study(plan, study, parent)
         status = "FINISHED"
     finally:
         parent.close(status)

@@ -3,6 +3,7 @@
     ragen train experiments/bandit-starpo-s.yaml --set trainer.iterations=3
     ragen eval RUN_OR_CHECKPOINT        ragen compare RUN RUN ...
     ragen sweep sweeps/smoke.yaml       ragen model fetch | warmup
+    ragen study studies/echo-trap-bandit.yaml
     ragen envs                          ragen play Sokoban --seed 3
     ragen demo                          (the README's main job)
 
@@ -98,15 +99,52 @@ def sweep(
 
 
 @app.command()
-def compare(
-    runs: Annotated[list[str], typer.Argument(help="MLflow run ids or run names")],
-    out: Annotated[Path, typer.Option(help="directory for the table and PNG plots")] = Path("compare-out"),
+def study(
+    study_file: Annotated[Path, typer.Argument(help="study YAML (a sweep with group_by), e.g. studies/echo-trap-bandit.yaml")],
+    workers: Annotated[int, typer.Option(min=1, help="worker processes sharing the study storage")] = 1,
+    set_: SetOpt = None,
 ) -> None:
-    """Side-by-side table and paper-style curves (success, reward std, entropy, grad norm)."""
+    """StarPO vs StarPO-S over seeds: every (preset, seed) a nested run, then curves with bands, a table per
+    preset and the monitor's hits and misses (written under data/sweeps/NAME/study and on the parent run)."""
+    from ragen_core.sweeps import plan_sweep
+
+    try:
+        plan = plan_sweep(study_file, set_ or [])
+    except ConfigError as e:
+        _fail(str(e))
+    if not plan.sweep.group_by:
+        _fail(f"{study_file}: a study needs group_by (the parameter or tag to compare, e.g. preset); "
+              "for an ablation table use ragen sweep")
+    from flows.sweep import sweep as sweep_flow
+
+    print(sweep_flow(sweep_file=str(study_file), workers=workers, overrides=list(set_ or [])))
+
+
+@app.command()
+def compare(
+    runs: Annotated[list[str] | None, typer.Argument(help="MLflow run ids or run names")] = None,
+    out: Annotated[Path, typer.Option(help="directory for the table and PNG plots")] = Path("compare-out"),
+    tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE: add every run with this tag (repeatable; "
+                                                       "runs must carry all)")] = None,
+    parent: Annotated[str | None, typer.Option(help="add every run nested under this run (a study or sweep "
+                                                    "parent: id or name)")] = None,
+    group_by: Annotated[str | None, typer.Option(help="aggregate by this tag (preset, algo): mean and band over "
+                                                      "seeds, table per group, the monitor's hits and misses")] = None,
+    drop: Annotated[float, typer.Option(help="with --group-by: a run collapsed when it ended this far "
+                                             "below its peak success")] = 0.15,
+) -> None:
+    """Side-by-side table and paper-style curves (success, reward std, entropy, grad norm); groups of runs."""
+    tags = {}
+    for item in tag or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            _fail(f"--tag {item!r}: expected KEY=VALUE")
+        tags[key] = value
     from flows.compare import compare as compare_flow
 
     try:
-        print(compare_flow(runs=runs, out_dir=str(out)))
+        print(compare_flow(runs=list(runs or []), out_dir=str(out), tags=tags or None, parent=parent,
+                           group_by=group_by, drop=drop))
     except LookupError as e:
         _fail(str(e))
 

@@ -41,8 +41,8 @@ def log_evaluation(uri: str | None, run_id: str | None, report: ev.EvalReport, f
 
 
 @task(name="fetch-runs", cache_policy=NO_CACHE)
-def fetch_runs(uri: str, refs: list[str]) -> list[history.FetchedRun]:
-    return history.fetch_runs(uri, refs)
+def fetch_runs(uri: str, refs: list[str], extra: tuple[str, ...] = ()) -> list[history.FetchedRun]:
+    return history.fetch_runs(uri, refs, extra)
 
 
 @task(name="log-comparison", cache_policy=NO_CACHE)

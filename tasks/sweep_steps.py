@@ -7,6 +7,7 @@ publishing is idempotent, so it may retry). Trials themselves are train flows, n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from ragen_core.compare import RunHistory
 from ragen_core.config import data_dir, load_experiment
 from ragen_core.sweeps import (
     SweepPlan,
@@ -28,6 +30,7 @@ from ragen_core.sweeps import (
     table_rows,
     write_table,
 )
+from ragen_core.sweeps.aggregate import RULE_PATIENCE_KEYS, study_metrics, write_study
 from ragen_core.tracking import MetricLogger, NullLogger, flatten_config
 from ragen_core.tracking.factory import tracking_uri
 
@@ -116,6 +119,39 @@ def close_lost_runs(plan: SweepPlan, trials: list[Any]) -> None:
                 client.set_terminated(run_id, "FAILED")
         except Exception as e:  # noqa: BLE001 -- a tracking hiccup must not lose the results table
             print(f"[sweep] could not mark MLflow run {run_id} FAILED: {e}")
+
+
+def trial_histories(plan: SweepPlan, trials: list[Any]) -> list[RunHistory]:
+    """The MLflow histories of the trials that trained (a study's curves and the monitor's signals), each
+    run's tags completed with its trial's parameters (so ``group_by`` may name a parameter or a tag)."""
+    from ragen_core.tracking.history import fetch_runs
+
+    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
+    ran = [t for t in sorted(trials, key=lambda t: t.number)
+           if t.state.name in ("COMPLETE", "PRUNED") and t.user_attrs.get("mlflow_run_id")]
+    if not ran or base.tracking.backend == "none":
+        return []
+    fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics())
+    return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}})
+            for f, t in zip(fetched, ran)]
+
+
+@task(name="study-report", cache_policy=NO_CACHE)
+def publish_study(plan: SweepPlan, study: Any, parent: MetricLogger) -> str:
+    """A study's aggregate (ragen_core/sweeps/aggregate.py) under the sweep's folder and on the parent run."""
+    sweep = plan.sweep
+    assert sweep.group_by is not None
+    runs = trial_histories(plan, study.get_trials(deepcopy=False))
+    if not runs:
+        return "study: no trial has a tracked run to aggregate"
+    h = load_experiment(sweep.base, sweep.overrides).health
+    patience = {rule: getattr(h, key) for rule, key in RULE_PATIENCE_KEYS.items()}
+    paths = write_study(runs, sweep_dir(plan) / "study", group_by=sweep.group_by, drop=sweep.collapse_drop,
+                        patience=patience, title=f"{sweep.name}: {len(runs)} runs by {sweep.group_by}")
+    for path in paths.values():
+        parent.log_artifact(path, "study")
+    parent.flush()
+    return paths["md"].read_text().strip() + f"\n\nstudy files: {paths['md'].parent}"
 
 
 @task(name="results", cache_policy=NO_CACHE)

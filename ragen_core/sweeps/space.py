@@ -59,6 +59,9 @@ EPISODE_ACTIONS_PER_TURN_LIMIT = 5
 
 RANGE_KEYS = {"low", "high", "log", "step"}
 
+RUN_TAGS = ("algo", "env", "preset", "seed", "estimator", "model")
+"""Tags every training run carries (tracking/run_meta.py), which a study may group by."""
+
 
 def yaml_value(value: Any) -> str:
     """A value as ``--set`` text that load_experiment parses back to the same value (1e-6 -> '1.0e-06')."""
@@ -211,6 +214,9 @@ def check_sweep(sweep: SweepConfig, bases: Mapping[str, str]) -> int:
         if is_range(choices):
             _check_range(key, choices)
     _check_collisions(sweep)
+    for key in (sweep.group_by or "").split(",") if sweep.group_by is not None else ():
+        if key.strip() not in (*RUN_TAGS, *sweep.knobs, *sweep.space) and not (key.strip() == BASE_PARAM and len(bases) > 1):
+            raise ConfigError(f"group_by: {key.strip()!r} is neither a swept parameter nor a run tag {list(RUN_TAGS)}")
     for base in bases.values():
         if load_experiment(base, sweep.overrides).eval.every == 0:
             raise ConfigError(f"base: {base} has eval.every = 0; a sweep needs validation success to optimise")

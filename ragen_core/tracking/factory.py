@@ -33,6 +33,7 @@ def open_logger(
         return NullLogger(record=False)
     tags = run_tags(cfg.algo_tag, cfg.env.label, cfg.algorithm.estimator, cfg.preset, cfg.model.name,
                     git_commit(), flow_run_id)
+    tags["seed"] = str(cfg.trainer.seed)
     tags.update(extra_tags or {})
     logger = MLflowLogger(tracking_uri(cfg), cfg.tracking.experiment, run_name=run_dir.name,
                           parent_run_id=parent_run_id, tags=tags, outbox_dir=run_dir)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Run
 
-__all__ = ["FetchedRun", "fetch_runs", "find_run", "log_compare_run", "log_onto_run", "metric_histories",
+__all__ = ["FetchedRun", "fetch_runs", "find_group", "find_run", "log_compare_run", "log_onto_run", "metric_histories",
            "run_id_of", "tracking_uri_for"]
 
 _NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
@@ -100,18 +100,47 @@ def metric_histories(
     return out
 
 
-def fetch_runs(uri: str, refs: Sequence[str]) -> list[FetchedRun]:
-    """Each run of ``refs`` (id or name) with the histories :func:`ragen_core.compare.wanted_metrics` asks for."""
+def fetch_runs(uri: str, refs: Sequence[str], extra: Sequence[str] = ()) -> list[FetchedRun]:
+    """Each run of ``refs`` (id or name) with the histories :func:`ragen_core.compare.wanted_metrics` asks for,
+    and those of ``extra`` (a study's curves and the monitor's streaks)."""
     client = _client(uri)
     fetched = []
     for ref in refs:
         run = find_run(client, ref)
         tags = dict(run.data.tags)
-        names = [m for m in wanted_metrics(tags.get("env", "")) if m in run.data.metrics]
+        wanted = dict.fromkeys((*wanted_metrics(tags.get("env", "")), *extra))
+        names = [m for m in wanted if m in run.data.metrics]
         history = RunHistory(name=run.info.run_name or ref, run_id=run.info.run_id, tags=tags,
                              histories=metric_histories(client, run.info.run_id, names))
         fetched.append(FetchedRun(history, run.info.experiment_id))
     return fetched
+
+
+def find_group(uri: str, tags: Mapping[str, str] | None = None, parent: str | None = None) -> list[str]:
+    """Ids of the finished or running training runs carrying every tag of ``tags`` and, with ``parent`` (a run
+    id or name), nested under that run; oldest first. LookupError when none match.
+
+    A group of runs for ``ragen compare --parent STUDY`` or ``--tag study=echo-trap``; comparison runs
+    (tag ``kind``) and sweep parents (tag ``sweep=parent``) are left out.
+    """
+    client = _client(uri)
+    clauses = []
+    if parent is not None:
+        clauses.append(f"tags.mlflow.parentRunId = '{find_run(client, parent).info.run_id}'")
+    for key, value in (tags or {}).items():
+        if "'" in key or "'" in value or "`" in key:
+            raise LookupError(f"tag {key}={value}: quotes are not allowed in a tag filter")
+        clauses.append(f"tags.`{key}` = '{value}'")
+    if not clauses:
+        raise LookupError("a group needs a parent run or at least one tag")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = [r for r in client.search_runs(experiments, " and ".join(clauses), order_by=["attributes.start_time ASC"],
+                                          max_results=5000)
+            if "kind" not in r.data.tags and r.data.tags.get("sweep") != "parent"] if experiments else []
+    if not runs:
+        what = " and ".join([*([f"parent {parent}"] if parent else []), *(f"{k}={v}" for k, v in (tags or {}).items())])
+        raise LookupError(f"no MLflow run with {what} at {uri}")
+    return [r.info.run_id for r in runs]
 
 
 def tracking_uri_for(refs: Sequence[str]) -> str:

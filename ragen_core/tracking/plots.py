@@ -23,10 +23,13 @@ def plot_curves(
     metrics: list[str],
     out_path: Path,
     title: str,
+    bands: dict[str, dict[str, list[tuple[int, float, float]]]] | None = None,
 ) -> Path:
     """Draw ``metrics`` for every run in ``histories`` (run -> metric -> [(step, value)]) into a PNG.
 
-    A run without a metric is skipped in that subplot; an empty subplot says "no data".
+    A run without a metric is skipped in that subplot; an empty subplot says "no data". ``bands``
+    (run -> metric -> [(step, low, high)]) shades a band around a line in its colour (a study's
+    spread over seeds).
     Returns ``out_path``.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -51,8 +54,12 @@ def plot_curves(
                 continue
             steps, values = zip(*points)
             line, marker = styles[n % len(styles)]
-            ax.plot(steps, values, label=run, linewidth=1.6, linestyle=line,
-                    marker=marker if len(points) < 30 else None, markersize=4, alpha=0.85)
+            (drawn_line,) = ax.plot(steps, values, label=run, linewidth=1.6, linestyle=line,
+                                    marker=marker if len(points) < 30 else None, markersize=4, alpha=0.85)
+            spread = sorted((bands or {}).get(run, {}).get(metric, ()))
+            if spread:
+                xs, lows, highs = zip(*spread)
+                ax.fill_between(xs, lows, highs, color=drawn_line.get_color(), alpha=0.18, linewidth=0)
             drawn = True
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(metric, fontsize=10)

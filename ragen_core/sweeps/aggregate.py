@@ -1,0 +1,369 @@
+"""A study's runs by group (StarPO vs StarPO-S over seeds): curves with a band, a table per group, and the
+collapse monitor judged against what the runs did.
+
+    from ragen_core.sweeps.aggregate import write_study
+    runs = fetch_runs(uri, run_ids)                       # RunHistory records (tracking/history.py)
+    paths = write_study([r.history for r in runs], Path("data/sweeps/echo-trap/study"), group_by="preset")
+
+- :func:`band`: mean and sample std (ddof 1; 0 for one seed) over the seeds that logged a step.
+- :func:`group_table`: per group, final and peak validation success (mean ± std over seeds), the mean
+  iteration of the peak, how many seeds collapsed, update and rollout seconds per iteration.
+- :func:`collapse_at`: a run collapsed when its success curve ends at least ``drop`` below its peak;
+  the collapse step is the first step after the peak from which success stayed that low.
+- :func:`signal_fires`: when each monitor signal fired in a run: ``echo_trap`` (the Echo-Trap monitor's
+  first early warning, RAGEN §4) and RAGEN-2's rules ``reward_std``, ``val_success``, ``empty_filter`` and
+  ``template`` (the first step their streak reached the patience).
+- :func:`judge`: per run and signal, ``hit`` (fired at or before the collapse; the lead is how many
+  iterations before), ``late``, ``miss``, ``false alarm`` (fired, the run did not collapse) or ``quiet``.
+- :func:`first_moves`: which of entropy, reward std and MI moved first: the first step after a
+  ``baseline``-point window where the signal differs from the window's mean by ``frac`` of it.
+
+Pure Python over plain data (matplotlib only inside :func:`write_study`); no MLflow, no Optuna.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragen_core.compare import RunHistory, success_series
+
+__all__ = [
+    "MOVE_SIGNALS",
+    "RULE_PATIENCE_KEYS",
+    "SIGNALS",
+    "STUDY_CURVES",
+    "GroupRow",
+    "Judgement",
+    "band",
+    "collapse_at",
+    "first_move",
+    "first_moves",
+    "group_bands",
+    "group_runs",
+    "group_table",
+    "judge",
+    "monitor_rows",
+    "signal_fires",
+    "study_metrics",
+    "write_study",
+]
+
+Series = Sequence[tuple[int, float]]
+
+STUDY_CURVES = {
+    "validation success": "val/success",
+    "train success (rollouts)": "rollout/success",
+    "in-group reward std (all)": "rollout/reward_std_all",
+    "in-group reward std (kept)": "rollout/reward_std_kept",
+    "entropy": "actor/entropy",
+    "first-turn I(X;Z) (nats)": "collapse/first_turn/mi",
+    "retrieval accuracy": "collapse/first_turn/retrieval_acc",
+    "grad norm": "actor/grad_norm",
+    "response length (tokens)": "response/length_mean",
+    "think length (tokens)": "response/think_length_mean",
+}
+"""Plot title -> metric of the study's curves (one subplot each, a line and a band per group)."""
+
+SIGNALS = ("echo_trap", "reward_std", "val_success", "empty_filter", "template")
+"""The monitor's signals judged on every run (tracking/health.py and tracking/early_stop.py)."""
+
+RULE_PATIENCE_KEYS = {"reward_std": "std_rule_patience", "val_success": "val_rule_patience",
+                      "empty_filter": "empty_rule_patience", "template": "template_patience"}
+"""HealthConfig field holding each rule's patience."""
+
+MOVE_SIGNALS = {"entropy": "actor/entropy", "reward std": "rollout/reward_std_all", "MI": "collapse/first_turn/mi"}
+"""The signals :func:`first_moves` orders (which one moved first)."""
+
+
+def study_metrics() -> tuple[str, ...]:
+    """Every metric a study reads from a run (curves, timing, the monitor's streaks and warnings)."""
+    return (*STUDY_CURVES.values(), "timing/update_s", "timing/rollout_s", "health/early_warning",
+            *(f"health/{rule}_streak" for rule in RULE_PATIENCE_KEYS))
+
+
+def band(series_by_run: Iterable[Series]) -> list[tuple[int, float, float, int]]:
+    """(step, mean, std, n) for every step any run logged: the mean and sample std over the runs that have it.
+
+    Non-finite values are left out; a step with one value has std 0.
+    """
+    values: dict[int, list[float]] = {}
+    for series in series_by_run:
+        for step, value in series:
+            if math.isfinite(value):
+                values.setdefault(int(step), []).append(float(value))
+    return [(step, statistics.fmean(vs), statistics.stdev(vs) if len(vs) > 1 else 0.0, len(vs))
+            for step, vs in sorted(values.items())]
+
+
+def group_runs(runs: Sequence[RunHistory], group_by: str) -> dict[str, list[RunHistory]]:
+    """Runs by the value of tag ``group_by`` (``n/a`` when a run lacks it), in order of first appearance.
+
+    Several tags, comma-separated (``env,preset``), group by their values joined with ``/`` (``Bandit/starpo``).
+    """
+    keys = [k.strip() for k in group_by.split(",")]
+    out: dict[str, list[RunHistory]] = {}
+    for run in runs:
+        out.setdefault("/".join(run.tags.get(k, "n/a") for k in keys), []).append(run)
+    return out
+
+
+def group_bands(groups: Mapping[str, Sequence[RunHistory]],
+                metrics: Iterable[str]) -> dict[str, dict[str, list[tuple[int, float, float, int]]]]:
+    """group -> metric -> :func:`band` over the group's runs."""
+    return {g: {m: band(r.histories.get(m, ()) for r in runs) for m in metrics} for g, runs in groups.items()}
+
+
+def collapse_at(series: Series, drop: float) -> int | None:
+    """The step from which success stayed at least ``drop`` below the run's peak, if the run ended there.
+
+    None when the curve ends within ``drop`` of its peak (no collapse) or is empty. Ties of the peak go
+    to its first step.
+    """
+    points = sorted((int(s), float(v)) for s, v in series if math.isfinite(v))
+    if not points:
+        return None
+    peak = max(v for _, v in points)
+    peak_i = next(i for i, (_, v) in enumerate(points) if v == peak)
+    low = peak - drop
+    if points[-1][1] > low + 1e-12:
+        return None
+    first = len(points) - 1
+    while first - 1 > peak_i and points[first - 1][1] <= low + 1e-12:
+        first -= 1
+    return points[first][0]
+
+
+def signal_fires(run: RunHistory, patience: Mapping[str, int]) -> dict[str, int | None]:
+    """Signal -> the first step it fired in ``run`` (None: never, or the run did not log it).
+
+    ``patience``: rule -> patience (HealthConfig's ``*_patience``); a rule fires when its streak reaches it.
+    """
+    out: dict[str, int | None] = {}
+    warnings = sorted(run.histories.get("health/early_warning", ()))
+    out["echo_trap"] = next((int(s) for s, v in warnings if v > 0), None)
+    for rule in RULE_PATIENCE_KEYS:
+        streak = sorted(run.histories.get(f"health/{rule}_streak", ()))
+        need = int(patience.get(rule, 1))
+        out[rule] = next((int(s) for s, v in streak if v >= need), None)
+    return out
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """How one signal did on one run."""
+
+    run: str
+    group: str
+    signal: str
+    fired_at: int | None
+    collapse_at: int | None
+    verdict: str
+    """hit, late, miss, false alarm or quiet."""
+
+    @property
+    def lead(self) -> int | None:
+        """Iterations between the signal and the collapse, for a hit."""
+        if self.verdict != "hit" or self.fired_at is None or self.collapse_at is None:
+            return None
+        return self.collapse_at - self.fired_at
+
+
+def judge(fired_at: int | None, collapsed_at: int | None) -> str:
+    """The verdict of one signal on one run (module docstring)."""
+    if collapsed_at is None:
+        return "quiet" if fired_at is None else "false alarm"
+    if fired_at is None:
+        return "miss"
+    return "hit" if fired_at <= collapsed_at else "late"
+
+
+def first_move(series: Series, baseline: int = 3, frac: float = 0.3) -> int | None:
+    """The first step after the first ``baseline`` points whose value differs from their mean by more than
+    ``frac`` of it (up or down); None if it never does, or the series is too short or its baseline is 0."""
+    points = sorted((int(s), float(v)) for s, v in series if math.isfinite(v))
+    if len(points) <= baseline:
+        return None
+    level = statistics.fmean(v for _, v in points[:baseline])
+    if level == 0:
+        return None
+    return next((s for s, v in points[baseline:] if abs(v - level) > frac * abs(level)), None)
+
+
+def first_moves(run: RunHistory, baseline: int = 3, frac: float = 0.3) -> dict[str, int | None]:
+    """Signal name (:data:`MOVE_SIGNALS`) -> the step it first moved in ``run``."""
+    return {name: first_move(run.histories.get(metric, ()), baseline, frac) for name, metric in MOVE_SIGNALS.items()}
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """One group's line of the study table; None where no run logged the quantity."""
+
+    group: str
+    seeds: int
+    final_mean: float | None
+    final_std: float | None
+    peak_mean: float | None
+    peak_std: float | None
+    peak_iteration_mean: float | None
+    collapsed: int
+    update_s: float | None
+    rollout_s: float | None
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _run_mean(run: RunHistory, metric: str) -> float | None:
+    vals = [v for _, v in run.histories.get(metric, ()) if math.isfinite(v)]
+    return statistics.fmean(vals) if vals else None
+
+
+def group_table(groups: Mapping[str, Sequence[RunHistory]], drop: float) -> list[GroupRow]:
+    """One :class:`GroupRow` per group (success from :func:`ragen_core.compare.success_series`)."""
+    rows = []
+    for group, runs in groups.items():
+        finals, peaks, peak_steps, collapsed = [], [], [], 0
+        for run in runs:
+            _, series = success_series(run)
+            points = sorted((s, v) for s, v in series if math.isfinite(v))
+            if not points:
+                continue
+            peak = max(v for _, v in points)
+            finals.append(points[-1][1])
+            peaks.append(peak)
+            peak_steps.append(next(s for s, v in points if v == peak))
+            collapsed += collapse_at(points, drop) is not None
+        upd = [x for x in (_run_mean(r, "timing/update_s") for r in runs) if x is not None]
+        rol = [x for x in (_run_mean(r, "timing/rollout_s") for r in runs) if x is not None]
+        fm, fs = _mean_std(finals)
+        pm, ps = _mean_std(peaks)
+        rows.append(GroupRow(group, len(runs), fm, fs, pm, ps, statistics.fmean(peak_steps) if peak_steps else None,
+                             collapsed, statistics.fmean(upd) if upd else None, statistics.fmean(rol) if rol else None))
+    return rows
+
+
+def monitor_rows(groups: Mapping[str, Sequence[RunHistory]], patience: Mapping[str, int],
+                 drop: float) -> list[Judgement]:
+    """Every (run, signal) judgement of the study."""
+    out = []
+    for group, runs in groups.items():
+        for run in runs:
+            _, series = success_series(run)
+            fell = collapse_at(series, drop)
+            for signal, fired in signal_fires(run, patience).items():
+                out.append(Judgement(run.name, group, signal, fired, fell, judge(fired, fell)))
+    return out
+
+
+VERDICTS = ("hit", "late", "miss", "false alarm", "quiet")
+
+
+def _num(value: float | None, fmt: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _pm(mean: float | None, std: float | None) -> str:
+    return "n/a" if mean is None else f"{mean:.3f} ± {std or 0.0:.3f}"
+
+
+def _md(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+
+
+def study_markdown(title: str, table: Sequence[GroupRow], judgements: Sequence[Judgement],
+                   moves: Mapping[str, Mapping[str, int | None]], drop: float) -> str:
+    """The study report: the table per group, the monitor's verdicts, and which signal moved first."""
+    lines = [f"# {title}", "", (f"Success is validation success; a run collapsed when it ended at least {drop:g} "
+                                "below its peak (the collapse step: from when it stayed there)."), ""]
+    lines += _md(["group", "seeds", "final success", "peak success", "peak at iter (mean)", "collapsed",
+                  "update s/iter", "rollout s/iter"],
+                 [(r.group, r.seeds, _pm(r.final_mean, r.final_std), _pm(r.peak_mean, r.peak_std),
+                   _num(r.peak_iteration_mean, ".1f"), f"{r.collapsed}/{r.seeds}", _num(r.update_s, ".2f"),
+                   _num(r.rollout_s, ".2f")) for r in table])
+    lines += ["", "## The monitor on these runs", "",
+              ("Per signal: hit = fired at or before the collapse (mean lead in iterations), late = after it, "
+               "miss = the run collapsed and it never fired, false alarm = fired on a run that did not collapse."), ""]
+    counts = []
+    for signal in SIGNALS:
+        js = [j for j in judgements if j.signal == signal]
+        leads = [j.lead for j in js if j.lead is not None]
+        counts.append((signal, *(sum(j.verdict == v for j in js) for v in VERDICTS),
+                       _num(statistics.fmean(leads) if leads else None, ".1f")))
+    lines += _md(["signal", *VERDICTS, "mean lead"], counts)
+    lines += ["", "Per run (step it fired; '-' never):", ""]
+    runs = list(dict.fromkeys((j.group, j.run) for j in judgements))
+    by = {(j.run, j.signal): j for j in judgements}
+    per_run = []
+    for group, run in runs:
+        fell = by[(run, SIGNALS[0])].collapse_at
+        cells = [f"{by[(run, s)].verdict} ({'-' if by[(run, s)].fired_at is None else by[(run, s)].fired_at})"
+                 for s in SIGNALS]
+        per_run.append((run, group, "-" if fell is None else fell, *cells))
+    lines += _md(["run", "group", "collapsed at", *SIGNALS], per_run)
+    lines += ["", "## Which signal moved first", "",
+              "The first step after the first 3 points where a signal left their mean by more than 30%.", ""]
+    move_rows = []
+    for run, steps in moves.items():
+        moved = {k: v for k, v in steps.items() if v is not None}
+        first = min(moved.values()) if moved else None
+        leaders = ", ".join(k for k, v in moved.items() if v == first) if moved else "none"
+        move_rows.append((run, *("-" if steps[k] is None else steps[k] for k in MOVE_SIGNALS), leaders))
+    lines += _md(["run", *MOVE_SIGNALS, "first"], move_rows)
+    return "\n".join(lines) + "\n"
+
+
+def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[object]]) -> Path:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(header)
+        writer.writerows([["" if v is None else v for v in row] for row in rows])
+    return path
+
+
+def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "preset", drop: float = 0.15,
+                patience: Mapping[str, int] | None = None, title: str = "study") -> dict[str, Path]:
+    """study.md, groups.csv, monitor.csv, curves.csv and curves.png (mean line and ±1 std band per group)
+    into ``out_dir``; returns them by kind."""
+    from ragen_core.config import HealthConfig
+    from ragen_core.tracking.plots import plot_curves
+
+    if not runs:
+        raise ValueError("nothing to aggregate: no runs")
+    if patience is None:
+        h = HealthConfig()
+        patience = {rule: getattr(h, key) for rule, key in RULE_PATIENCE_KEYS.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs, group_by)
+    table = group_table(groups, drop)
+    judgements = monitor_rows(groups, patience, drop)
+    moves = {run.name: first_moves(run) for run in runs}
+    paths = {"md": out_dir / "study.md"}
+    paths["md"].write_text(study_markdown(title, table, judgements, moves, drop))
+    paths["groups"] = _write_csv(out_dir / "groups.csv", ["group", "seeds", "final_mean", "final_std", "peak_mean",
+                                                          "peak_std", "peak_iteration_mean", "collapsed",
+                                                          "update_s", "rollout_s"],
+                                 [(r.group, r.seeds, r.final_mean, r.final_std, r.peak_mean, r.peak_std,
+                                   r.peak_iteration_mean, r.collapsed, r.update_s, r.rollout_s) for r in table])
+    paths["monitor"] = _write_csv(out_dir / "monitor.csv", ["run", "group", "signal", "fired_at", "collapse_at",
+                                                            "verdict", "lead"],
+                                  [(j.run, j.group, j.signal, j.fired_at, j.collapse_at, j.verdict, j.lead)
+                                   for j in judgements])
+    bands = group_bands(groups, STUDY_CURVES.values())
+    paths["curves"] = _write_csv(out_dir / "curves.csv", ["group", "metric", "step", "mean", "std", "n"],
+                                 [(g, m, *point) for g, by_metric in bands.items()
+                                  for m, points in by_metric.items() for point in points])
+    lines = {f"{g} (n={len(groups[g])})": {title_: [(s, mean) for s, mean, _, _ in bands[g][m]]
+                                           for title_, m in STUDY_CURVES.items()} for g in groups}
+    spread = {f"{g} (n={len(groups[g])})": {title_: [(s, mean - std, mean + std) for s, mean, std, _ in bands[g][m]]
+                                            for title_, m in STUDY_CURVES.items()} for g in groups}
+    paths["png"] = plot_curves(lines, list(STUDY_CURVES), out_dir / "curves.png", title, bands=spread)
+    return paths

@@ -1,0 +1,142 @@
+"""A study's aggregation (ragen_core/sweeps/aggregate.py) against hand-computed numbers: the band over seeds,
+the collapse step, the monitor's hit / late / miss / false-alarm accounting, which signal moved first,
+the table per group and the files."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from ragen_core.compare import RunHistory
+from ragen_core.sweeps.aggregate import (
+    band,
+    collapse_at,
+    first_move,
+    first_moves,
+    group_runs,
+    group_table,
+    judge,
+    monitor_rows,
+    signal_fires,
+    write_study,
+)
+
+PATIENCE = {"reward_std": 2, "val_success": 1, "empty_filter": 3, "template": 2}
+
+
+def test_band_is_the_mean_and_sample_std_over_the_seeds_that_logged_a_step() -> None:
+    rows = band([[(0, 0.2), (5, 0.6)], [(0, 0.4), (5, 0.8)], [(0, 0.6), (5, math.nan)]])
+    # step 0: mean (0.2 + 0.4 + 0.6) / 3 = 0.4; deviations -0.2, 0, 0.2 -> sample var 0.08 / 2 = 0.04 -> std 0.2
+    # step 5: mean 0.7 over two seeds (the NaN is left out); deviations -0.1, 0.1 -> var 0.02 / 1 -> std 0.1414
+    assert rows[0][0] == 0 and rows[0][1] == pytest.approx(0.4) and rows[0][2] == pytest.approx(0.2) and rows[0][3] == 3
+    assert rows[1][0] == 5 and rows[1][1] == pytest.approx(0.7)
+    assert rows[1][2] == pytest.approx(math.sqrt(0.02)) and rows[1][3] == 2
+    assert band([[(3, 0.5)]]) == [(3, 0.5, 0.0, 1)]  # one seed: no spread
+    assert band([]) == []
+
+
+def test_collapse_is_where_success_stayed_below_the_peak_minus_the_drop() -> None:
+    curve = [(0, 0.5), (5, 0.9), (10, 0.7), (15, 0.8), (20, 0.6), (25, 0.7)]
+    # peak 0.9 at 5, threshold 0.75: 25 (0.7) and 20 (0.6) are under it, 15 (0.8) is not -> collapsed at 20
+    assert collapse_at(curve, 0.15) == 20
+    assert collapse_at(curve, 0.25) is None  # 0.7 > 0.9 - 0.25 = 0.65: the run ended near its peak
+    assert collapse_at([(0, 0.9), (5, 0.7), (10, 0.6)], 0.15) == 5  # fell right after the peak and stayed
+    assert collapse_at([(0, 0.5), (5, 0.5)], 0.15) is None
+    assert collapse_at([], 0.15) is None
+
+
+def test_the_verdicts() -> None:
+    assert judge(10, 20) == "hit" and judge(20, 20) == "hit"
+    assert judge(25, 20) == "late"
+    assert judge(None, 20) == "miss"
+    assert judge(10, None) == "false alarm"
+    assert judge(None, None) == "quiet"
+
+
+def run(name: str, preset: str, seed: int, **histories: list[tuple[int, float]]) -> RunHistory:
+    return RunHistory(name, f"id-{name}", {"preset": preset, "seed": str(seed), "env": "Bandit"},
+                      {k.replace("__", "/"): tuple(v) for k, v in histories.items()})
+
+
+def test_groups_by_one_or_several_tags() -> None:
+    runs = [run("a", "starpo", 0), run("b", "starpo-s", 0), run("c", "starpo", 1)]
+    assert {g: [r.name for r in rs] for g, rs in group_runs(runs, "preset").items()} == \
+           {"starpo": ["a", "c"], "starpo-s": ["b"]}
+    assert list(group_runs(runs, "env, preset")) == ["Bandit/starpo", "Bandit/starpo-s"]
+    assert list(group_runs(runs, "model")) == ["n/a"]
+
+
+def test_signals_fire_when_the_streak_reaches_the_patience() -> None:
+    r = run("a", "starpo", 0,
+            health__early_warning=[(0, 0), (1, 0), (2, 1), (3, 1)],
+            health__reward_std_streak=[(0, 0), (1, 1), (2, 2), (3, 3)],
+            health__template_streak=[(0, 1), (5, 1)],
+            health__empty_filter_streak=[(0, 0), (1, 0)])
+    assert signal_fires(r, PATIENCE) == {"echo_trap": 2, "reward_std": 2, "val_success": None,
+                                         "empty_filter": None, "template": None}
+
+
+def test_the_monitor_accounting_over_a_study() -> None:
+    # collapses at 20 (peak 0.9 at 5, then 0.6, 0.5); the Echo-Trap warning came at 10 -> hit, lead 10;
+    # the reward-std rule fired at 25 -> late; nothing else fired -> misses
+    collapsing = run("v0", "starpo", 0, val__success=[(0, 0.5), (5, 0.9), (10, 0.8), (20, 0.6), (30, 0.5)],
+                     health__early_warning=[(9, 0), (10, 1)], health__reward_std_streak=[(24, 1), (25, 2)])
+    # holds its peak; the reward-std rule fired at 7 -> false alarm; the rest quiet
+    holding = run("s0", "starpo-s", 0, val__success=[(0, 0.5), (10, 0.9), (30, 0.85)],
+                  health__reward_std_streak=[(6, 1), (7, 2)])
+    js = {(j.run, j.signal): j for j in monitor_rows(group_runs([collapsing, holding], "preset"), PATIENCE, 0.15)}
+    assert (js["v0", "echo_trap"].verdict, js["v0", "echo_trap"].lead) == ("hit", 10)
+    assert js["v0", "echo_trap"].collapse_at == 20
+    assert (js["v0", "reward_std"].verdict, js["v0", "reward_std"].lead) == ("late", None)
+    assert js["v0", "template"].verdict == "miss" and js["v0", "val_success"].verdict == "miss"
+    assert js["s0", "reward_std"].verdict == "false alarm" and js["s0", "reward_std"].fired_at == 7
+    assert js["s0", "echo_trap"].verdict == "quiet" and js["s0", "echo_trap"].collapse_at is None
+
+
+def test_first_move_leaves_the_early_level_by_the_fraction() -> None:
+    # baseline mean (1 + 1.2 + 0.8) / 3 = 1.0; 1.1 is within 30%, 1.5 is not -> step 4
+    assert first_move([(0, 1.0), (1, 1.2), (2, 0.8), (3, 1.1), (4, 1.5)]) == 4
+    assert first_move([(0, 1.0), (1, 1.0), (2, 1.0), (3, 0.6)]) == 3  # downwards counts too
+    assert first_move([(0, 1.0), (1, 1.0), (2, 1.0)]) is None  # nothing after the baseline
+    assert first_move([(0, 0.0), (1, 0.0), (2, 0.0), (3, 5.0)]) is None  # no level to compare with
+    r = run("a", "starpo", 0, actor__entropy=[(0, 1), (1, 1), (2, 1), (3, 2)],
+            rollout__reward_std_all=[(0, 0.2), (1, 0.2), (2, 0.2), (3, 0.2), (4, 0.1)])
+    assert first_moves(r) == {"entropy": 3, "reward std": 4, "MI": None}
+
+
+def test_the_table_per_group() -> None:
+    runs = [
+        run("v0", "starpo", 0, val__success=[(0, 0.5), (10, 0.9), (20, 0.6)], timing__update_s=[(0, 2.0), (1, 4.0)]),
+        run("v1", "starpo", 1, val__success=[(0, 0.5), (10, 0.7), (20, 0.7)], timing__update_s=[(0, 4.0)]),
+        run("s0", "starpo-s", 0, val__success=[(0, 0.4), (10, 0.8), (20, 0.9)]),
+    ]
+    rows = {r.group: r for r in group_table(group_runs(runs, "preset"), 0.15)}
+    v = rows["starpo"]
+    # finals 0.6, 0.7 -> 0.65 +- 0.0707; peaks 0.9, 0.7 -> 0.8 +- 0.1414; peaks at 10 and 10
+    assert (v.seeds, v.collapsed) == (2, 1)  # v0 ended 0.3 under its peak; v1 at it
+    assert v.final_mean == pytest.approx(0.65) and v.final_std == pytest.approx(math.sqrt(0.005))
+    assert v.peak_mean == pytest.approx(0.8) and v.peak_std == pytest.approx(math.sqrt(0.02))
+    assert v.peak_iteration_mean == 10 and v.update_s == pytest.approx(3.5)  # per-run means 3.0 and 4.0
+    s = rows["starpo-s"]
+    assert (s.seeds, s.collapsed, s.final_std, s.update_s, s.rollout_s) == (1, 0, 0.0, None, None)
+
+
+def test_write_study_files(tmp_path: Path) -> None:
+    runs = [run(f"{p}-{s}", p, s, val__success=[(0, 0.5), (5, 0.8 - 0.3 * (p == "starpo") * s)],
+                actor__entropy=[(i, 1.0 + i * (p == "starpo")) for i in range(6)])
+            for p in ("starpo", "starpo-s") for s in (0, 1)]
+    paths = write_study(runs, tmp_path / "study", group_by="preset", patience=PATIENCE, title="t")
+    md = paths["md"].read_text()
+    assert "| starpo | 2 | 0.650 ± 0.212 | 0.650 ± 0.212 |" in md  # finals 0.8, 0.5 (peaks likewise: 0.5 is not 0.8)
+    assert "| starpo-s | 2 | 0.800 ± 0.000 |" in md
+    assert "| echo_trap | 0 | 0 | 0 | 0 | 4 | n/a |" in md  # nothing fired, nothing collapsed
+    curves = paths["curves"].read_text().splitlines()
+    assert curves[0] == "group,metric,step,mean,std,n"
+    row = next(r.split(",") for r in curves if r.startswith("starpo,val/success,5,"))
+    assert float(row[3]) == pytest.approx(0.65) and float(row[4]) == pytest.approx(0.3 / math.sqrt(2)) and row[5] == "2"
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert paths["monitor"].read_text().count("\n") == 1 + 4 * 5
+    with pytest.raises(ValueError, match="no runs"):
+        write_study([], tmp_path / "x")
