@@ -21,6 +21,7 @@ __all__ = ["COST_KEYS", "objective_value", "run_cost"]
 COST_KEYS = {
     "generated_tokens": ("perf/generated_tokens",),
     "seconds": ("timing/rollout_s", "timing/update_s", "timing/eval_s"),
+    "update_seconds": ("timing/update_s",),
 }
 """History keys summed over iterations for each cost objective."""
 

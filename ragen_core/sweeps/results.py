@@ -24,6 +24,9 @@ __all__ = ["Table", "markdown_table", "table_rows", "write_table"]
 
 STATE_RANK = {"COMPLETE": 0, "PRUNED": 1, "FAIL": 2}
 
+COST_COLUMNS = {"tokens": "generated_tokens", "update_s": "update_seconds", "wall_s": "wall_seconds"}
+"""Cost columns of the table -> keys of a trial's ``cost`` user attribute (sweeps/study.py's reporter)."""
+
 
 class TrialLike(Protocol):
     """What the table reads from an Optuna FrozenTrial."""
@@ -79,6 +82,7 @@ def table_rows(
     other = sorted({k for t in started for k in t.params if k not in keys and k != base_param})
     env_cols: list[str] = []
     rows = []
+    costed = False
     for row_key in sorted(groups, key=_sort_key):
         by_base = sorted(groups[row_key].items(), key=lambda kv: (
             base_order.index(kv[0]) if kv[0] in base_order else len(base_order), str(kv[0])))
@@ -96,10 +100,16 @@ def table_rows(
         if cost:
             costs = [t.values[1] for t in chosen if t.values and len(t.values) > 1]
             row["cost"] = sum(costs) if costs else math.nan
+        spent = [t.user_attrs["cost"] for t in chosen if isinstance(t.user_attrs.get("cost"), Mapping)]
+        if spent:  # what the row cost, summed over its bases: generated tokens, update and wall seconds
+            costed = True
+            for col, kind in COST_COLUMNS.items():
+                row[col] = sum(float(c.get(kind, math.nan)) for c in spent)
         row["state"] = "/".join(dict.fromkeys(t.state.name for t in chosen))
         row["trials"] = ",".join(str(t.number) for t in chosen)
         rows.append(row)
-    columns = [*keys, *other, *env_cols, "objective", *(["cost"] if cost else []), "state", "trials"]
+    columns = [*keys, *other, *env_cols, "objective", *(["cost"] if cost else []),
+               *(COST_COLUMNS if costed else ()), "state", "trials"]
     return Table(rows, columns, list(keys), env_cols)
 
 
@@ -127,6 +137,9 @@ def write_table(table: Table, out_dir: Path, title: str) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, columns, success_cols = table.rows, table.columns, table.success_columns
     paths = {"csv": out_dir / "results.csv", "md": out_dir / "results.md", "png": out_dir / "results.png"}
+    if "tokens" in columns:
+        paths["cost_png"] = out_dir / "results-cost.png"
+        _cost_chart(rows, table.keys, paths["cost_png"], title)
     with open(paths["csv"], "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
         writer.writeheader()
@@ -134,6 +147,29 @@ def write_table(table: Table, out_dir: Path, title: str) -> dict[str, Path]:
     paths["md"].write_text(f"# {title}\n\n" + markdown_table(rows, columns, success_cols))
     _bar_chart(rows, table.keys, success_cols, paths["png"], title)
     return paths
+
+
+def _cost_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], path: Path, title: str) -> None:
+    """Success against cost: one point per row at (generated tokens, objective), and success per 1M tokens."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for r in rows:
+        x, y = r.get("tokens"), r.get("objective")
+        if not isinstance(x, float) or not isinstance(y, float) or math.isnan(x) or math.isnan(y):
+            continue
+        label = ", ".join(f"{k}={r.get(k)}" for k in keys)
+        ax.scatter([x], [100 * y], s=30)
+        ax.annotate(f"{label} ({100 * y / max(x / 1e6, 1e-9):.0f}%/Mtok)", (x, 100 * y), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("generated tokens (whole run)")
+    ax.set_ylabel("objective: validation success (%)")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"{title}: success against cost")
+    fig.savefig(path, format="png", dpi=100)
 
 
 def _bar_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], cols: Sequence[str], path: Path,

@@ -26,13 +26,14 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragen_core.config import ConfigError, SweepConfig, data_dir
-from ragen_core.sweeps.objective import run_cost
+from ragen_core.sweeps.objective import COST_KEYS, run_cost
 from ragen_core.tracking.early_stop import HEALTH_STOP
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
     metric, warmup = str(spec["metric"]), int(spec["pruner_warmup"])
     single = len(study.directions) == 1  # Optuna has no intermediate values for several objectives
     curve: list[list[float]] = []
+    started = time.monotonic()
 
     def report(sess: Session, val: Mapping[str, float]) -> None:
         if metric not in val:
@@ -201,7 +203,8 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
         curve.append([step, value])
         per_env = {k[len("val/"):-len("/success")]: float(v) for k, v in val.items()
                    if k.startswith("val/") and k.endswith("/success") and k != "val/success"}
-        cost = {kind: run_cost(sess.history, kind) for kind in ("generated_tokens", "seconds")}
+        cost = {kind: run_cost(sess.history, kind) for kind in COST_KEYS}
+        cost["wall_seconds"] = round(time.monotonic() - started, 3)  # this process's share (a resumed run: since resume)
         for key, attr in (("run_dir", str(sess.run_dir)), ("curve", curve), ("val", per_env), ("cost", cost),
                           ("mlflow_run_id", sess.logger.run_id)):
             trial.set_user_attr(key, attr)

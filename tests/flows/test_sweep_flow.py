@@ -72,7 +72,7 @@ def test_nested_runs_are_tagged_and_the_parent_has_the_results(smoke_sweep) -> N
     assert parent.data.tags["best_trial"] == str(best.number) and parent.data.tags["study"] == "smoke-grid"
     assert parent.data.params["sweep.knobs.responses_per_prompt"] == "[1, 2, 4]"
     arts = {a.path for a in client.list_artifacts(parent_id, "results")}
-    assert arts == {"results/results.csv", "results/results.md", "results/results.png"}
+    assert arts == {"results/results.csv", "results/results.md", "results/results.png", "results/results-cost.png"}
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
     assert len(children) == 3
     by_trial = {run.data.tags["trial"]: run for run in children}
@@ -89,7 +89,10 @@ def test_results_table_files(smoke_sweep) -> None:
     data, _, summary = smoke_sweep
     out = data / "sweeps" / "smoke-grid"
     rows = (out / "results.csv").read_text().splitlines()
-    assert rows[0] == "responses_per_prompt,Bandit,objective,state,trials"
+    assert rows[0] == "responses_per_prompt,Bandit,objective,tokens,update_s,wall_s,state,trials"
+    for row in rows[1:]:  # every trial says what it cost
+        tokens, update_s, wall_s = map(float, row.split(",")[3:6])
+        assert tokens > 0 and 0 < update_s < wall_s
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "4"]
     md = (out / "results.md").read_text()
     assert "| responses_per_prompt | Bandit (%) |" in md and md.strip().splitlines()[-1] in summary

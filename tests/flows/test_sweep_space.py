@@ -320,3 +320,15 @@ def test_table_with_a_cost_column() -> None:
     table = table_rows(trials, ["online_k"], cost=True)
     assert table.columns == ["online_k", "Bandit", "objective", "cost", "state", "trials"]
     assert [(r["objective"], r["cost"]) for r in table.rows] == [(0.5, 1200.0), (0.25, 300.0)]
+
+
+def test_every_row_says_what_it_cost(tmp_path: Path) -> None:
+    trials = [fake_trial(0, "COMPLETE", {"online_k": 1}, {"Bandit": 0.5}, 0.5),
+              fake_trial(1, "COMPLETE", {"online_k": 2}, {"Bandit": 0.25}, 0.25)]
+    trials[0].user_attrs["cost"] = {"generated_tokens": 1000.0, "update_seconds": 3.0, "wall_seconds": 10.0}
+    trials[1].user_attrs["cost"] = {"generated_tokens": 4000.0, "update_seconds": 9.0, "wall_seconds": 30.0}
+    table = table_rows(trials, ["online_k"])
+    assert table.columns == ["online_k", "Bandit", "objective", "tokens", "update_s", "wall_s", "state", "trials"]
+    assert [(r["tokens"], r["update_s"], r["wall_s"]) for r in table.rows] == [(1000.0, 3.0, 10.0), (4000.0, 9.0, 30.0)]
+    paths = write_table(table, tmp_path, "t")
+    assert paths["cost_png"].read_bytes()[:4] == b"\x89PNG"  # success against generated tokens

@@ -26,7 +26,7 @@ from ragen_core.rollout.loop import run_rollouts
 from ragen_core.trainer import warmup as W
 from ragen_core.trainer.collapse import measure_collapse
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a warm-up on the default model takes minutes
 
 SOKOBAN = Path(__file__).resolve().parents[2] / "experiments" / "sokoban-starpo-s.yaml"
 STATES, SAMPLES = 8, 4

@@ -38,7 +38,7 @@ from ragen_core.models import DEFAULT_MODEL, check_model_dir, load_model, load_t
 from ragen_core.trainer import warmup as W
 from ragen_core.trainer.collapse import measure_collapse
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a warm-up on the default model takes minutes
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 SAMPLES = 64
