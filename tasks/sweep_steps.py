@@ -30,7 +30,14 @@ from ragen_core.sweeps import (
     table_rows,
     write_table,
 )
-from ragen_core.sweeps.aggregate import RULE_PATIENCE_KEYS, study_metrics, write_study
+from ragen_core.sweeps.aggregate import (
+    RULE_PATIENCE_KEYS,
+    group_runs,
+    group_table,
+    study_metrics,
+    summary_metrics,
+    write_study,
+)
 from ragen_core.tracking import MetricLogger, NullLogger, flatten_config
 from ragen_core.tracking.factory import tracking_uri
 
@@ -150,6 +157,7 @@ def publish_study(plan: SweepPlan, study: Any, parent: MetricLogger) -> str:
                         patience=patience, title=f"{sweep.name}: {len(runs)} runs by {sweep.group_by}")
     for path in paths.values():
         parent.log_artifact(path, "study")
+    parent.log_metrics(summary_metrics(group_table(group_runs(runs, sweep.group_by), sweep.collapse_drop)), step=0)
     parent.flush()
     return paths["md"].read_text().strip() + f"\n\nstudy files: {paths['md'].parent}"
 

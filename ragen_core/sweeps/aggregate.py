@@ -50,6 +50,7 @@ __all__ = [
     "monitor_rows",
     "signal_fires",
     "study_metrics",
+    "summary_metrics",
     "write_study",
 ]
 
@@ -319,6 +320,23 @@ def study_markdown(title: str, table: Sequence[GroupRow], judgements: Sequence[J
         move_rows.append((run, *("-" if steps[k] is None else steps[k] for k in MOVE_SIGNALS), leaders))
     lines += _md(["run", *MOVE_SIGNALS, "first"], move_rows)
     return "\n".join(lines) + "\n"
+
+
+def summary_metrics(table: Sequence[GroupRow]) -> dict[str, float]:
+    """The table as metrics for the parent run, e.g. ``val/study/<group>/final_success_mean``,
+    ``health/study/<group>/collapsed_seeds``, ``timing/study/<group>/update_s`` (None left out)."""
+    out = {}
+    for r in table:
+        for key, value in (("val/study/{}/final_success_mean", r.final_mean),
+                           ("val/study/{}/final_success_std", r.final_std),
+                           ("val/study/{}/peak_success_mean", r.peak_mean),
+                           ("val/study/{}/peak_success_std", r.peak_std),
+                           ("val/study/{}/seeds", float(r.seeds)),
+                           ("health/study/{}/collapsed_seeds", float(r.collapsed)),
+                           ("timing/study/{}/update_s", r.update_s)):
+            if value is not None:
+                out[key.format(r.group)] = float(value)
+    return out
 
 
 def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[object]]) -> Path:

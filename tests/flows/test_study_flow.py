@@ -60,6 +60,8 @@ def test_children_are_nested_and_tagged(study_run) -> None:
                     ("starpo-s", "0", "Bandit", "tiny-study"), ("starpo-s", "1", "Bandit", "tiny-study")]
     arts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}
     assert {"study/study.md", "study/groups.csv", "study/monitor.csv", "study/curves.csv", "study/curves.png"} <= arts
+    assert parent.data.metrics["val/study/starpo/seeds"] == 2
+    assert "val/study/starpo-s/final_success_mean" in parent.data.metrics
 
 
 def test_the_aggregate_has_a_row_per_preset_and_every_signal_judged(study_run) -> None:

@@ -20,6 +20,7 @@ from ragen_core.sweeps.aggregate import (
     judge,
     monitor_rows,
     signal_fires,
+    summary_metrics,
     write_study,
 )
 
@@ -119,6 +120,10 @@ def test_the_table_per_group() -> None:
     assert v.final_mean == pytest.approx(0.65) and v.final_std == pytest.approx(math.sqrt(0.005))
     assert v.peak_mean == pytest.approx(0.8) and v.peak_std == pytest.approx(math.sqrt(0.02))
     assert v.peak_iteration_mean == 10 and v.update_s == pytest.approx(3.5)  # per-run means 3.0 and 4.0
+    metrics = summary_metrics(list(rows.values()))
+    assert metrics["val/study/starpo/final_success_mean"] == pytest.approx(0.65)
+    assert metrics["health/study/starpo/collapsed_seeds"] == 1 and metrics["timing/study/starpo/update_s"] == 3.5
+    assert "timing/study/starpo-s/update_s" not in metrics  # not logged by that run: left out, not 0
     s = rows["starpo-s"]
     assert (s.seeds, s.collapsed, s.final_std, s.update_s, s.rollout_s) == (1, 0, 0.0, None, None)
 
