@@ -80,7 +80,7 @@ class ModelConfig:
         "none", "format warm-up the run starts from (ragen model warmup; made once and cached): none, or "
                 "self_distill (the model's own sampled thoughts put in the format). The old boolean is gone: "
                 "true meant canned thoughts, which collapsed reasoning")
-    warmup_steps: int = F(30, "supervised steps of the format warm-up (8 dialogues each)", ge=1)
+    warmup_steps: int = F(30, "supervised steps of the format warm-up (8 first-turn replies each, 4 per state)", ge=1)
     warmup_lr: float = F(2e-4, "AdamW learning rate of the format warm-up (full fine-tuning, decayed linearly to 0)", gt=0.0)
     lora_rank: int = F(0, "LoRA rank; 0 means full fine-tuning (reference LoRA: 64)", ge=0)
     lora_alpha: int = F(64, "LoRA alpha", ge=1)
