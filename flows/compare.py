@@ -60,8 +60,8 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
         files += list(paths.values())
         study_md = "\n" + paths["md"].read_text()
     name = f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    tags = {"kind": "compare", "compared_runs": ",".join(h.run_id for h in histories)}
-    run_id = t.log_comparison(uri, fetched[0].experiment_id, name, tags, files)
+    record_tags = {"kind": "compare", "compared_runs": ",".join(h.run_id for h in histories)}
+    run_id = t.log_comparison(uri, fetched[0].experiment_id, name, record_tags, files)
     return (cmp.table_markdown([cmp.summarize(h) for h in histories]) + study_md
             + f"\nwritten to {Path(out_dir).resolve()}: {', '.join(f.name for f in files)}"
             + f"\nlogged as MLflow run {name} ({run_id}) at {uri}")

@@ -31,9 +31,9 @@ from ragen_core.sweeps import (
     write_table,
 )
 from ragen_core.sweeps.aggregate import (
-    RULE_PATIENCE_KEYS,
     group_runs,
     group_table,
+    rule_patience,
     study_metrics,
     summary_metrics,
     write_study,
@@ -151,8 +151,7 @@ def publish_study(plan: SweepPlan, study: Any, parent: MetricLogger) -> str:
     runs = trial_histories(plan, study.get_trials(deepcopy=False))
     if not runs:
         return "study: no trial has a tracked run to aggregate"
-    h = load_experiment(sweep.base, sweep.overrides).health
-    patience = {rule: getattr(h, key) for rule, key in RULE_PATIENCE_KEYS.items()}
+    patience = rule_patience(load_experiment(sweep.base, sweep.overrides).health)
     paths = write_study(runs, sweep_dir(plan) / "study", group_by=sweep.group_by, drop=sweep.collapse_drop,
                         patience=patience, title=f"{sweep.name}: {len(runs)} runs by {sweep.group_by}")
     for path in paths.values():

@@ -29,8 +29,12 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ragen_core.compare import RunHistory, success_series
+
+if TYPE_CHECKING:
+    from ragen_core.config import HealthConfig
 
 __all__ = [
     "MOVE_SIGNALS",
@@ -48,6 +52,7 @@ __all__ = [
     "group_table",
     "judge",
     "monitor_rows",
+    "rule_patience",
     "signal_fires",
     "study_metrics",
     "summary_metrics",
@@ -79,6 +84,14 @@ RULE_PATIENCE_KEYS = {"reward_std": "std_rule_patience", "val_success": "val_rul
 
 MOVE_SIGNALS = {"entropy": "actor/entropy", "reward std": "rollout/reward_std_all", "MI": "collapse/first_turn/mi"}
 """The signals :func:`first_moves` orders (which one moved first)."""
+
+
+def rule_patience(health: HealthConfig | None = None) -> dict[str, int]:
+    """Rule -> its patience in ``health`` (the defaults when None)."""
+    from ragen_core.config import HealthConfig
+
+    h = health or HealthConfig()
+    return {rule: getattr(h, key) for rule, key in RULE_PATIENCE_KEYS.items()}
 
 
 def study_metrics() -> tuple[str, ...]:
@@ -351,14 +364,11 @@ def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "pres
                 patience: Mapping[str, int] | None = None, title: str = "study") -> dict[str, Path]:
     """study.md, groups.csv, monitor.csv, curves.csv and curves.png (mean line and ±1 std band per group)
     into ``out_dir``; returns them by kind."""
-    from ragen_core.config import HealthConfig
     from ragen_core.tracking.plots import plot_curves
 
     if not runs:
         raise ValueError("nothing to aggregate: no runs")
-    if patience is None:
-        h = HealthConfig()
-        patience = {rule: getattr(h, key) for rule, key in RULE_PATIENCE_KEYS.items()}
+    patience = rule_patience() if patience is None else patience
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs, group_by)
     table = group_table(groups, drop)

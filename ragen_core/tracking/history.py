@@ -117,7 +117,7 @@ def fetch_runs(uri: str, refs: Sequence[str], extra: Sequence[str] = ()) -> list
 
 
 def find_group(uri: str, tags: Mapping[str, str] | None = None, parent: str | None = None) -> list[str]:
-    """Ids of the finished or running training runs carrying every tag of ``tags`` and, with ``parent`` (a run
+    """Ids of the training runs (any status) carrying every tag of ``tags`` and, with ``parent`` (a run
     id or name), nested under that run; oldest first. LookupError when none match.
 
     A group of runs for ``ragen compare --parent STUDY`` or ``--tag study=echo-trap``; comparison runs
