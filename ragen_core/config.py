@@ -82,6 +82,10 @@ class ModelConfig:
                 "true meant canned thoughts, which collapsed reasoning")
     warmup_steps: int = F(30, "supervised steps of the format warm-up (8 first-turn replies each, 4 per state)", ge=1)
     warmup_lr: float = F(2e-4, "AdamW learning rate of the format warm-up (full fine-tuning, decayed linearly to 0)", gt=0.0)
+    warmup_rollout: dict[str, Any] = F(
+        {}, "rollout settings the format warm-up is built with instead of the run's (for example "
+            "{max_actions_per_turn: 5, max_actions_per_episode: 10}: one warmed model shared by every row of an "
+            "actions-per-turn sweep, so the rows start from the same weights, as the paper's do); empty: the run's")
     lora_rank: int = F(0, "LoRA rank; 0 means full fine-tuning (reference LoRA: 64)", ge=0)
     lora_alpha: int = F(64, "LoRA alpha", ge=1)
     lora_target: str = F("all-linear", "peft target_modules ('all-linear' or a comma list)")
@@ -330,6 +334,8 @@ class ExperimentConfig:
                 f"rollout.max_actions_per_turn ({r.max_actions_per_turn}) exceeds "
                 f"rollout.max_actions_per_episode ({r.max_actions_per_episode})"
             )
+        if self.model.warmup_rollout:
+            _ = self.warmup_rollout_config  # validates the keys, types and bounds now, not when the warm-up starts
         if self.eval.seed_start + self.eval.seeds > 1_000_000:
             raise ConfigError("eval.seed_start: held-out seeds must stay below 1,000,000, where training seeds start")
         owned = sorted(set(self.trainer.deepspeed) & DEEPSPEED_OWNED_KEYS)
@@ -338,6 +344,18 @@ class ExperimentConfig:
         if owned:
             raise ConfigError(f"trainer.deepspeed: {', '.join(owned)} come from ragen's own settings (micro_batch_size, "
                               "grad_clip, zero_stage; AdamW in fp32); remove them from trainer.deepspeed")
+
+    @property
+    def warmup_rollout_config(self) -> RolloutConfig:
+        """The rollout settings the format warm-up is built with: ``rollout`` under ``model.warmup_rollout``."""
+        if not self.model.warmup_rollout:
+            return self.rollout
+        merged = build_config(RolloutConfig, {**to_dict(self.rollout), **self.model.warmup_rollout},
+                              "model.warmup_rollout")
+        if merged.max_actions_per_turn > merged.max_actions_per_episode:
+            raise ConfigError(f"model.warmup_rollout: max_actions_per_turn ({merged.max_actions_per_turn}) exceeds "
+                              f"max_actions_per_episode ({merged.max_actions_per_episode})")
+        return merged
 
     @property
     def algo_tag(self) -> str:

@@ -658,7 +658,7 @@ def _base_fingerprint(path: Path) -> str:
 
 def warmup_key(cfg: ExperimentConfig, base_fingerprint: str) -> str:
     """sha256 (hex) over everything that changes what the warm-up trains on and how."""
-    r = cfg.rollout
+    r = cfg.warmup_rollout_config
     facts = {
         "format_version": FORMAT_VERSION,
         "method": cfg.model.warmup,
@@ -700,6 +700,7 @@ def warmup_model(cfg: ExperimentConfig, force: bool = False, progress: Progress 
 
     if cfg.model.warmup == "none":
         raise ValueError("model.warmup is 'none': there is nothing to warm up (set model.warmup=self_distill)")
+    cfg = dataclasses.replace(cfg, rollout=cfg.warmup_rollout_config)  # model.warmup_rollout, when set
     base_path = m.resolve_model(cfg.model.name)  # before the lock: provisioning the base takes it too
     target = warmup_dir(cfg, _base_fingerprint(base_path))
     if not force and m.check_model_dir(target) is None:

@@ -459,6 +459,29 @@ def test_warmup_key_covers_what_changes_the_training_and_nothing_else(data_dir: 
     assert key not in keys and len(keys) == len(different) + 1
 
 
+def test_warmup_rollout_builds_one_warmup_for_every_actions_per_turn(data_dir: Path, trainings: list[int]) -> None:
+    shared = ("model.warmup_steps=2", "model.warmup_rollout={max_actions_per_turn: 3, max_actions_per_episode: 6}")
+    plain = _cfg(*SOKOBAN, "model.warmup_steps=2")  # its own rollout is the one the others pin
+    rows = [_cfg(*SOKOBAN, *shared, f"rollout.max_actions_per_turn={k}", f"rollout.max_actions_per_episode={5 * k}")
+            for k in (1, 2, 4)]
+    assert {W.warmup_key(c, "fp") for c in rows} == {W.warmup_key(plain, "fp")}
+    assert W.warmup_key(_cfg(*SOKOBAN, "rollout.max_actions_per_turn=1"), "fp") != W.warmup_key(plain, "fp")
+    assert rows[0].rollout.max_actions_per_turn == 1 and rows[0].warmup_rollout_config.max_actions_per_turn == 3
+    path = W.warmup_model(rows[0])
+    assert [W.warmup_model(c) for c in (*rows[1:], plain)] == [path] * 3 and trainings == [1]
+    assert json.loads((path / MARKER).read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("{max_actions_per_turns: 3}", r"model\.warmup_rollout\.max_actions_per_turns: unknown key"),
+    ("{max_actions_per_turn: 0}", r"model\.warmup_rollout\.max_actions_per_turn: 0 is out of range"),
+    ("{max_actions_per_turn: 9}", r"model\.warmup_rollout: max_actions_per_turn \(9\) exceeds max_actions_per_episode"),
+])
+def test_warmup_rollout_refuses_bad_settings_when_loaded(value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _cfg(*SOKOBAN, f"model.warmup_rollout={value}")
+
+
 def test_warmup_is_a_named_choice_and_the_old_boolean_is_refused() -> None:
     assert build_config(ExperimentConfig, {}).model.warmup == "none"
     for old in ("true", "false"):
