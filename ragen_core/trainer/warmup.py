@@ -46,7 +46,7 @@ random-policy level (:func:`random_policy_stats`), with an empty thought: it is 
 The warmed model is cached under ``models_dir()`` with a key over everything that changes what it learns
 (method, base model and its fingerprint, env, format switches, prompt budgets, steps, lr, format version),
 written to a staging directory and renamed into place with the ``ragen-model.json`` marker written last
-(``ragen_core.models`` helpers), so a second call returns at once. The marker holds the facts of the
+(the public API of ``ragen_core/models/cache.py``), so a second call returns at once. The marker holds the facts of the
 build (:func:`warmup_facts`: method, steps, format validity of the base model's own replies and of the
 warmed model's, shares of own thoughts and answers, seconds); a training run prints them in one line and
 logs them as ``warmup.*`` params.
@@ -70,6 +70,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ragen_core.models import load_model, load_tokenizer, resolve_model
+from ragen_core.models.cache import (
+    MARKER,
+    check_model_dir,
+    clean_leftovers,
+    models_dir,
+    models_lock,
+    publish,
+    say,
+    staging_dir,
+)
 from ragen_core.rollout.generators.base import FINISH_STOP, STAT_KEYS, Generation, SamplingParams
 from ragen_core.rollout.parse import ACTION_SEP, parse_response
 from ragen_core.rollout.prompts import reply_prefill
@@ -644,8 +655,6 @@ def _max_length(cfg: ExperimentConfig, model: torch.nn.Module) -> int | None:
 
 def _base_fingerprint(path: Path) -> str:
     """What identifies the base model's weights: its marker's facts, else config + weight file stats."""
-    from ragen_core.models import MARKER
-
     marker = path / MARKER
     if marker.is_file():
         facts = json.loads(marker.read_text())
@@ -681,8 +690,6 @@ def _slug(text: str) -> str:
 
 def warmup_dir(cfg: ExperimentConfig, base_fingerprint: str) -> Path:
     """``models_dir()/warmup-<method>-<base>-<env>-<hash12>``: where the warmed copy of ``cfg``'s model is cached."""
-    from ragen_core.models import models_dir
-
     base = _slug(Path(cfg.model.name.rstrip("/")).name)
     key = warmup_key(cfg, base_fingerprint)[:12]
     return models_dir() / f"warmup-{cfg.model.warmup}-{base}-{_slug(cfg.env.name)}-{key}"
@@ -696,23 +703,21 @@ def warmup_model(cfg: ExperimentConfig, force: bool = False, progress: Progress 
     cached copy is returned at once; ``force=True`` trains and replaces it. ``progress`` gets one line
     per stage. Raises ValueError when ``model.warmup`` is ``none``.
     """
-    from ragen_core import models as m
-
     if cfg.model.warmup == "none":
         raise ValueError("model.warmup is 'none': there is nothing to warm up (set model.warmup=self_distill)")
     cfg = dataclasses.replace(cfg, rollout=cfg.warmup_rollout_config)  # model.warmup_rollout, when set
-    base_path = m.resolve_model(cfg.model.name)  # before the lock: provisioning the base takes it too
+    base_path = resolve_model(cfg.model.name)  # before the lock: provisioning the base takes it too
     target = warmup_dir(cfg, _base_fingerprint(base_path))
-    if not force and m.check_model_dir(target) is None:
+    if not force and check_model_dir(target) is None:
         return target
-    with m._models_lock(progress):
-        if not force and m.check_model_dir(target) is None:  # another process made it while we waited
+    with models_lock(progress):
+        if not force and check_model_dir(target) is None:  # another process made it while we waited
             return target
-        m._clean_leftovers(target.name)
-        with m._staging_dir(target.name) as tmp:
+        clean_leftovers(target.name)
+        with staging_dir(target.name) as tmp:
             facts = _build(cfg, base_path, tmp, progress)
-            m._publish(tmp, target, facts)
-    m._say(progress, f"format-warmed model ready in {target}")
+            publish(tmp, target, facts)
+    say(progress, f"format-warmed model ready in {target}")
     return target
 
 
@@ -722,15 +727,12 @@ _PARAM_FACTS = ("method", "steps", "lr", "format_version", "validity_before", "v
 
 def warmup_facts(path: Path) -> dict[str, Any]:
     """The facts of a warmed copy worth a run's params (method, steps, validity before -> after, ...), from its marker."""
-    from ragen_core.models import MARKER
-
     facts = json.loads((Path(path) / MARKER).read_text())
     return {"dir": Path(path).name, **{k: facts[k] for k in _PARAM_FACTS if k in facts}}
 
 
 def _build(cfg: ExperimentConfig, base_path: Path, out: Path, progress: Progress | None) -> dict[str, Any]:
     """Train the warm-up from ``base_path`` and save model + tokenizer into ``out``; the marker's facts."""
-    from ragen_core.models import _say, load_model, load_tokenizer
     from ragen_core.rollout.batch import build_token_batch
 
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -745,8 +747,8 @@ def _build(cfg: ExperimentConfig, base_path: Path, out: Path, progress: Progress
             tokenizer = load_tokenizer(str(base_path))
             model = load_model(str(base_path), dtype=torch.float32, device=_device(cfg))
             max_len = _max_length(cfg, model)
-            _say(progress, f"format warm-up ({cfg.model.warmup}) of {cfg.model.name} on {cfg.env.name}: {steps} steps "
-                           f"x {_BATCH} replies of the model's own thoughts ({_GROUP} per state), lr {lr:g}")
+            say(progress, f"format warm-up ({cfg.model.warmup}) of {cfg.model.name} on {cfg.env.name}: {steps} steps "
+                          f"x {_BATCH} replies of the model's own thoughts ({_GROUP} per state), lr {lr:g}")
             data_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
                 cfg.rollout, max_turns=min(cfg.rollout.max_turns, DIALOGUE_TURNS)))
             trajs, records = self_distill_dialogues(model, tokenizer, data_cfg, -(-steps * _BATCH // _GROUP),

