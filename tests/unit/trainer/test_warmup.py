@@ -1,4 +1,5 @@
-"""Format warm-up (ragen_core/trainer/warmup.py) on the tiny model: data, loss, training, cache.
+"""Format warm-up on the tiny model: data (ragen_core/rollout/format_generators.py), loss and training
+(ragen_core/trainer/supervised.py), cache and build (ragen_core/trainer/warmup.py).
 
 Both kinds of dialogue (self-distilled from the model's own samples, and the random-policy ones) are
 checked against the rollout loop replaying the same reply ids, and their rewards and next states
@@ -27,6 +28,13 @@ from ragen_core.envs import make
 from ragen_core.models import MARKER, check_model_dir, load_model, load_tokenizer, tiny_random
 from ragen_core.rollout.batch import build_token_batch, mask_problems
 from ragen_core.rollout.chat import ChatRenderer
+from ragen_core.rollout.format_generators import (
+    ANSWER_ROOM,
+    SelfDistillGenerator,
+    cut_thought,
+    format_reply,
+    thought_cap,
+)
 from ragen_core.rollout.generators import make_generator
 from ragen_core.rollout.generators.base import Generation, SamplingParams
 from ragen_core.rollout.loop import run_rollouts
@@ -34,6 +42,7 @@ from ragen_core.rollout.parse import parse_response
 from ragen_core.rollout.prompts import fmt_reward
 from ragen_core.rollout.scripted import ScriptedGenerator
 from ragen_core.trainer import warmup as W
+from ragen_core.trainer.supervised import prefix_detached_backward, supervised_loss
 from ragen_core.types import Trajectory
 
 TINY = "tiny-random:0"
@@ -180,22 +189,22 @@ def test_self_distilled_thoughts_are_the_ids_the_model_sampled(tok: PreTrainedTo
     model, _ = tiny_random(0)
     inner = _Recording(make_generator("hf", model, tok))
     seeds = list(range(30, 38))
-    gen = W.SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, seeds, 1, np.random.default_rng(0))
+    gen = SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, seeds, 1, np.random.default_rng(0))
     trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds, 1, 1.0, sampling_seed=3)
     replies = [turn for k in range(cfg.rollout.max_turns) for t in trajs if len(t.turns) > k
                for turn in (t.turns[k],)]  # call order: turn by turn, episodes in order
     assert len(replies) == len(inner.samples) == len(gen.records)
-    cap = W.thought_cap(cfg.rollout)
+    cap = thought_cap(cfg.rollout)
     for turn, sample, rec in zip(replies, inner.samples, gen.records):
         k = rec["thought_tokens"]
         assert 0 <= k <= cap
         assert turn.response_ids[:k] == sample.token_ids[:k]  # the thought: the model's own ids, only cut
-        answer = W.format_reply("", list(turn.actions), True)[len("<think>"):]
+        answer = format_reply("", list(turn.actions), True)[len("<think>"):]
         assert list(turn.response_ids[k:]) == tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert parse_response(turn.response_text).think == rec["thought"].strip()
         assert turn.parse_ok
     # the sampling budget: the thought cap plus room for an answer, never more than the reply budget
-    assert max(len(s.token_ids) for s in inner.samples) <= min(cfg.rollout.max_new_tokens, cap + W.ANSWER_ROOM)
+    assert max(len(s.token_ids) for s in inner.samples) <= min(cfg.rollout.max_new_tokens, cap + ANSWER_ROOM)
     assert len({rec["thought"] for rec in gen.records}) >= 0.9 * len(gen.records)  # random weights: varied
 
 
@@ -216,7 +225,7 @@ def test_self_distill_keeps_own_thought_ends_and_own_valid_answers(tok: PreTrain
     cfg = _cfg(*SOKOBAN[:-1], "rollout.max_actions_per_episode=9", "rollout.max_turns=1")
     inner = ScriptedGenerator(tok, lambda call, row, prompt: SCRIPT[row][0])
     seeds = list(range(6))
-    gen = W.SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, seeds, 1, np.random.default_rng(0))
+    gen = SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, seeds, 1, np.random.default_rng(0))
     trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds, 1)
     for row, (traj, rec) in enumerate(zip(trajs, gen.records)):
         _, thought, how, own = SCRIPT[row]
@@ -240,7 +249,7 @@ def test_nothink_replies_are_own_valid_answers_else_random(tok: PreTrainedTokeni
                f"rollout.prefill={str(prefill).lower()}")
     script = ["Up || left</answer>", "Jump</answer>", "no answer at all"]
     inner = _Recording(ScriptedGenerator(tok, lambda call, row, prompt: script[row]))
-    gen = W.SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, [0, 1, 2], 1, np.random.default_rng(0))
+    gen = SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, [0, 1, 2], 1, np.random.default_rng(0))
     trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, [0, 1, 2], 1)
     assert trajs[0].turns[0].response_text == "<answer>Up || left</answer>"  # its own spelling, matched case-blind
     assert [r["own_actions"] for r in gen.records] == [True, False, False]
@@ -255,7 +264,7 @@ def test_nothink_replies_are_own_valid_answers_else_random(tok: PreTrainedTokeni
 def test_without_prefill_the_generator_opens_think_itself(tok: PreTrainedTokenizerBase) -> None:
     cfg = _cfg(*SOKOBAN[:-1], "rollout.max_actions_per_episode=9", "rollout.max_turns=1", "rollout.prefill=false")
     inner = ScriptedGenerator(tok, lambda call, row, prompt: SCRIPT[0][0])
-    gen = W.SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, [0], 1, np.random.default_rng(0))
+    gen = SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, [0], 1, np.random.default_rng(0))
     (traj,) = run_rollouts(cfg.env, gen, tok, cfg.rollout, [0], 1)
     opened = tok("<think>", add_special_tokens=False)["input_ids"]
     assert list(inner.calls[0].prompts[0][-len(opened):]) == opened  # the model continues inside <think>
@@ -268,7 +277,7 @@ def test_without_prefill_the_generator_opens_think_itself(tok: PreTrainedTokeniz
 def test_cut_thought_rules(tok: PreTrainedTokenizerBase) -> None:
     def cut(text: str, cap: int, stopped: bool = False) -> tuple[str, str]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        k, how = W.cut_thought(tok, ids, cap, stopped)
+        k, how = cut_thought(tok, ids, cap, stopped)
         return tok.decode(ids[:k]), how
 
     text = "Hello there. How are you? I am fine and"
@@ -343,7 +352,7 @@ def test_loss_of_a_model_with_all_zero_weights_is_log_vocab(tok: PreTrainedToken
             p.zero_()
     cfg = _cfg(*SOKOBAN)
     batch = build_token_batch(W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 3), tok, cfg.rollout)
-    loss = W.supervised_loss(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+    loss = supervised_loss(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
     assert loss.item() == pytest.approx(math.log(model.config.vocab_size), abs=1e-5)
 
 
@@ -355,20 +364,20 @@ def test_loss_equals_transformers_masked_label_loss_and_prefix_pass_is_exact(tok
     ids, att, lm = batch.input_ids, batch.attention_mask, batch.loss_mask
     labels = torch.where(lm, ids, torch.full_like(ids, -100))  # transformers' own token-mean over labels != -100
     reference = model(input_ids=ids, attention_mask=att.long(), labels=labels).loss
-    ours = W.supervised_loss(model, ids, att, lm)
+    ours = supervised_loss(model, ids, att, lm)
     assert ours.item() == pytest.approx(reference.item(), abs=1e-5)
     model.zero_grad()
     ours.backward()
     exact = {n: p.grad.clone() for n, p in model.named_parameters()}
     # margin beyond every row: nothing is detached, so value and gradient are the full ones
     model.zero_grad()
-    value = W.prefix_detached_backward(model, ids, att, lm, grad_margin=10_000)
+    value = prefix_detached_backward(model, ids, att, lm, grad_margin=10_000)
     assert value == pytest.approx(reference.item(), abs=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, exact[n], atol=1e-5, rtol=1e-4)
     # the default margin: the same value (the forward is exact), a gradient without the prefix paths
     model.zero_grad()
-    value = W.prefix_detached_backward(model, ids, att, lm)
+    value = prefix_detached_backward(model, ids, att, lm)
     assert value == pytest.approx(reference.item(), abs=1e-5)
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
@@ -385,10 +394,10 @@ def test_rows_sharing_a_prefix_share_one_prefix_pass(tok: PreTrainedTokenizerBas
     decoder = model.get_decoder()
     hook = decoder.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs["input_ids"].shape),
                                              with_kwargs=True)
-    value = W.prefix_detached_backward(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+    value = prefix_detached_backward(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
     hook.remove()
     assert len(calls) <= 4 and sum(shape[0] for shape in calls[1::2]) == 16
-    reference = W.supervised_loss(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+    reference = supervised_loss(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
     assert value == pytest.approx(reference.item(), abs=1e-5)
 
 
