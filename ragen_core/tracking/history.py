@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from ragen_core.compare import RunHistory, wanted_metrics
+from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.logger import check_metric_names
 from ragen_core.tracking.mlflow_logger import default_tracking_uri
 from ragen_core.tracking.outbox import STATE_FILE
@@ -146,13 +149,9 @@ def find_group(uri: str, tags: Mapping[str, str] | None = None, parent: str | No
 def tracking_uri_for(refs: Sequence[str]) -> str:
     """The tracking URI recorded in the first of ``refs`` that is a local run (its config's tracking.uri),
     else the default (``$MLFLOW_TRACKING_URI`` or ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``)."""
-    import yaml
-
-    from ragen_core.session import resolve_run_dir
-
     for ref in refs:
         try:
-            cfg = yaml.safe_load((resolve_run_dir(ref) / "config.yaml").read_text()) or {}
+            cfg = RunDir.find(ref).read_config()
         except (FileNotFoundError, OSError, yaml.YAMLError):
             continue
         uri = (cfg.get("tracking") or {}).get("uri")
