@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from ragen_core.compare import RunHistory, wanted_metrics
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.logger import check_metric_names
 from ragen_core.tracking.mlflow_logger import default_tracking_uri
 from ragen_core.tracking.outbox import STATE_FILE
+from ragen_core.tracking.run_history import RunHistory, wanted_metrics
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -104,7 +104,7 @@ def metric_histories(
 
 
 def fetch_runs(uri: str, refs: Sequence[str], extra: Sequence[str] = ()) -> list[FetchedRun]:
-    """Each run of ``refs`` (id or name) with the histories :func:`ragen_core.compare.wanted_metrics` asks for,
+    """Each run of ``refs`` (id or name) with the histories :func:`ragen_core.tracking.run_history.wanted_metrics` asks for,
     and those of ``extra`` (a study's curves and the monitor's streaks)."""
     client = _client(uri)
     fetched = []
