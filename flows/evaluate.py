@@ -18,6 +18,7 @@ from prefect import flow
 from flows._ui import Reporter
 from ragen_core import evaluation as ev
 from ragen_core.config import load_experiment
+from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import tracking_uri
 from ragen_core.tracking.history import run_id_of
 from tasks import eval_steps as t
@@ -29,7 +30,7 @@ def evaluate(target: str, seeds: int | None = None, overrides: list[str] | None 
     seeds per env (default: the run's ``eval.seeds``); ``overrides`` change the run's saved config
     (e.g. ``eval.samples=4`` for pass@4). Returns the table as text."""
     target_ = ev.resolve_target(target)
-    cfg = load_experiment(target_.run_dir / "config.yaml", list(overrides or []))
+    cfg = load_experiment(RunDir(target_.run_dir).config_path, list(overrides or []))
     envs = ev.evaluation_envs(cfg)
     with Reporter(1) as ui:
         ui.say(f"evaluating {target_.weights} on {', '.join(e.label for e in envs)}")

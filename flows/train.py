@@ -18,6 +18,7 @@ from prefect.runtime import flow_run
 from flows._ui import Reporter
 from ragen_core import session as s
 from ragen_core.config import load_experiment
+from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import open_logger, tracking_uri
 from tasks import train_steps as t
 
@@ -39,15 +40,15 @@ def train(
     """
     overrides = list(overrides or [])
     if resume:
-        cfg, run_dir = s.resume_config(resume, overrides)
+        cfg, folder = s.resume_config(resume, overrides)
     else:
         cfg = load_experiment(experiment, overrides)
-        run_dir = s.data_dir() / "runs" / (run_name or s.new_run_name(cfg))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logger = open_logger(cfg, run_dir, flow_run_id=flow_run.id, parent_run_id=parent_run_id, extra_tags=tags)
+        folder = RunDir.named(run_name or s.new_run_name(cfg))
+    folder.create()
+    logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id, extra_tags=tags)
     pruner = _trial_reporter(trial) if trial else None
     with Reporter(cfg.trainer.iterations) as ui:
-        sess = s.open_session(cfg, logger, run_dir, say=ui.say, progress=ui.progress)
+        sess = s.open_session(cfg, logger, folder, say=ui.say, progress=ui.progress)
         while not sess.done:
             val = t.evaluate(sess) if s.eval_due(sess) else None  # the policy after `iteration` updates
             if pruner and val:

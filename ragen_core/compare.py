@@ -17,7 +17,9 @@ MLflow by :mod:`ragen_core.tracking.history`, or built by hand in tests) and mak
 
 Iterations are MLflow steps, as on the x axis of the plots: training metrics at step i come from
 iteration i (0 = the first); ``val/...`` at step i describe the policy after i updates (0 = untrained).
-A quantity a run did not log is shown as ``n/a``, never as 0.
+A quantity a run did not log is shown as ``n/a``, never as 0. :class:`RunHistory`, :func:`success_series`
+and the curves' metric names live in ragen_core/tracking/run_history.py (tracking builds the records);
+the first two are re-exported here.
 
 Tests: ``.venv/bin/python -m pytest tests/unit/test_compare.py -q``.
 """
@@ -29,77 +31,23 @@ import io
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from ragen_core.tracking.run_history import RunHistory, Series, curve_metrics, success_series
 
 __all__ = [
     "COLUMNS",
     "CompareRow",
     "RunHistory",
-    "curve_metrics",
     "plot_histories",
     "run_labels",
     "success_series",
     "summarize",
     "table_csv",
     "table_markdown",
-    "wanted_metrics",
     "write_outputs",
 ]
-
-Series = tuple[tuple[int, float], ...]
-"""((step, value), ...) sorted by step."""
-
-
-@dataclass(frozen=True)
-class RunHistory:
-    """One training run as read back from tracking: identity, tags and metric histories."""
-
-    name: str
-    run_id: str
-    tags: dict[str, str] = field(default_factory=dict)
-    """Tracking tags: ``algo``, ``env``, ``preset``, ``stop_reason`` (when the monitor stopped it), ..."""
-    histories: dict[str, Series] = field(default_factory=dict)
-    """metric name -> ((step, value), ...); a metric the run never logged is absent."""
-
-    @property
-    def algo(self) -> str:
-        return self.tags.get("algo", "n/a")
-
-    @property
-    def env(self) -> str:
-        return self.tags.get("env", "n/a")
-
-
-def curve_metrics(env_tag: str) -> dict[str, str]:
-    """Plot title -> metric name, in the order of the figure's subplots (RAGEN Fig. 3-5 plus timing)."""
-    return {
-        "train success (rollouts)": f"env/{env_tag}/success",
-        "validation success": "val/success",
-        "in-group reward std": "rollout/reward_std_all",
-        "entropy": "actor/entropy",
-        "grad norm": "actor/grad_norm",
-        "response length (tokens)": "response/length_mean",
-        "think length (tokens)": "response/think_length_mean",
-        "update seconds": "timing/update_s",
-    }
-
-
-def wanted_metrics(env_tag: str) -> tuple[str, ...]:
-    """Every metric the table and the plots read for a run on ``env_tag``."""
-    return (*curve_metrics(env_tag).values(), "health/early_warning")
-
-
-def success_series(run: RunHistory) -> tuple[str | None, Series]:
-    """The run's success curve and where it comes from: ``val`` (held-out, preferred) or ``train``.
-
-    Falls back to training-rollout success for runs that never evaluated; (None, ()) when neither exists.
-    """
-    val = run.histories.get("val/success", ())
-    if val:
-        return "val", val
-    train = run.histories.get(f"env/{run.env}/success", ())
-    return ("train", train) if train else (None, ())
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ The plain-Python part of ``ragen eval`` (flows/evaluate.py chains these steps as
 
     from ragen_core.config import load_experiment
     from ragen_core import evaluation as ev
+    from ragen_core.store.run_dir import RunDir
     target = ev.resolve_target("smoke-20260101-120000")      # run name, run dir or checkpoint dir
-    cfg = load_experiment(target.run_dir / "config.yaml")
+    cfg = load_experiment(RunDir(target.run_dir).config_path)
     report = ev.evaluate_target(cfg, target, ev.evaluation_envs(cfg), seeds=32)
     print(ev.format_table(report))
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ragen_core.config import EnvConfig, ExperimentConfig
+from ragen_core.store.run_dir import RunDir
 
 __all__ = [
     "EVAL_PREFIX",
@@ -127,34 +129,31 @@ def _run_iterations(run_dir: Path) -> int:
 
     Rows of evaluations alone (the one after the last update) do not count.
     """
-    path = run_dir / "history.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = RunDir(run_dir).read_history()
     return max((int(r["iteration"]) + 1 for r in rows if "timing/update_s" in r), default=0)
 
 
 def resolve_target(target: str) -> EvalTarget:
     """A checkpoint dir, a saved model dir (``final-model``), or a run (name or dir: its latest checkpoint,
     else its final model). Raises FileNotFoundError saying what was looked for."""
-    from ragen_core.session import latest_checkpoint, resolve_run_dir
-
     path = Path(target)
     if (path / "state.json").is_file():  # a training checkpoint: <run>/checkpoints/iter=NNNNNN
-        run_dir = path.resolve().parent.parent
+        run = RunDir.of_checkpoint(path)
         iteration = int(json.loads((path / "state.json").read_text())["iteration"])
-    elif (path / "config.json").is_file() and (path.parent / "config.yaml").is_file():  # <run>/final-model
-        run_dir = path.resolve().parent
-        iteration = _run_iterations(run_dir)
+    elif (path / "config.json").is_file() and RunDir(path.parent).config_path.is_file():  # <run>/final-model
+        run = RunDir(path.resolve().parent)
+        iteration = _run_iterations(run.path)
     else:
-        run_dir = resolve_run_dir(target)
-        ckpt = latest_checkpoint(run_dir)
+        run = RunDir.find(target)
+        ckpt = run.latest_checkpoint()
         if ckpt is not None:
             return resolve_target(str(ckpt))
-        if not (run_dir / "final-model" / "config.json").is_file():
-            raise FileNotFoundError(f"run {run_dir} has neither a checkpoint nor a final-model to evaluate")
-        return EvalTarget(run_dir, run_dir / "final-model", _run_iterations(run_dir))
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{target}: its run directory {run_dir} holds no config.yaml")
-    return EvalTarget(run_dir, path.resolve(), iteration)
+        if not (run.final_model / "config.json").is_file():
+            raise FileNotFoundError(f"run {run.path} has neither a checkpoint nor a final-model to evaluate")
+        return EvalTarget(run.path, run.final_model, _run_iterations(run.path))
+    if not run.config_path.is_file():
+        raise FileNotFoundError(f"{target}: its run directory {run.path} holds no config.yaml")
+    return EvalTarget(run.path, path.resolve(), iteration)
 
 
 def load_policy(cfg: ExperimentConfig, weights: Path) -> tuple[Any, Any]:

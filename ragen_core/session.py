@@ -10,7 +10,8 @@
 
 Each step is its own function (evaluate_policy, collect_rollouts, diagnose, select_groups, update_policy,
 record_iteration, save_run_checkpoint, record_final_eval) so the flow can make each a task. Nothing here imports
-Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7).
+Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7). Where a run keeps its files (config,
+history, checkpoints, shards) is :class:`ragen_core.store.run_dir.RunDir`'s business (``sess.folder``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ragen_core.config import ExperimentConfig, data_dir, load_experiment, to_dict
+from ragen_core.config import ExperimentConfig, load_experiment, to_dict
+from ragen_core.store.run_dir import RunDir
 from ragen_core.types import TokenBatch, Trajectory, UpdateStats
 
 log = logging.getLogger("ragen")
@@ -93,6 +95,11 @@ class Session:
     def done(self) -> bool:
         return self.stop_reason is not None or self.iteration >= self.cfg.trainer.iterations
 
+    @property
+    def folder(self) -> RunDir:
+        """The run folder's layout: config, history, checkpoints, shards (store/run_dir.py)."""
+        return RunDir(self.run_dir)
+
 
 # --------------------------------------------------------------------------- opening
 
@@ -101,25 +108,10 @@ def new_run_name(cfg: ExperimentConfig) -> str:
     return f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def resolve_run_dir(run: str) -> Path:
-    """A run name (under $RAGEN_DATA_DIR/runs) or a run directory."""
-    path = Path(run)
-    if not (path / "config.yaml").exists():
-        path = data_dir() / "runs" / run
-    if not (path / "config.yaml").exists():
-        raise FileNotFoundError(f"no run {run!r}: neither {run} nor {path} holds a config.yaml")
-    return path
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = sorted((run_dir / "checkpoints").glob("iter=*"))
-    return ckpts[-1] if ckpts else None
-
-
-def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, Path]:
-    """The saved resolved config of a run (plus overrides, e.g. more iterations) and its directory."""
-    run_dir = resolve_run_dir(run)
-    return load_experiment(run_dir / "config.yaml", overrides), run_dir
+def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, RunDir]:
+    """The saved resolved config of a run (name or folder; plus overrides, e.g. more iterations) and its folder."""
+    folder = RunDir.find(run)
+    return load_experiment(folder.config_path, overrides), folder
 
 
 def base_model_spec(cfg: ExperimentConfig, say: Callable[[str], None] = print) -> str:
@@ -138,19 +130,22 @@ def base_model_spec(cfg: ExperimentConfig, say: Callable[[str], None] = print) -
 def open_session(
     cfg: ExperimentConfig,
     logger: Any,
-    run_dir: Path | None = None,
+    run_dir: Path | RunDir | None = None,
     *,
     say: Callable[[str], None] = print,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Session:
-    """Build (or, when ``run_dir`` holds a checkpoint, restore) everything a run needs."""
+    """Build (or, when ``run_dir`` holds a checkpoint, restore) everything a run needs.
+
+    Without ``run_dir`` the run gets a new folder named after the experiment and the time.
+    """
     from ragen_core.models import load_model, load_tokenizer
     from ragen_core.rollout.generators import make_generator
     from ragen_core.tracking import CollapseMonitor, EarlyStopRules
     from ragen_core.trainer import init_state, load_checkpoint
 
-    run_dir = run_dir or data_dir() / "runs" / new_run_name(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    folder = RunDir.named(new_run_name(cfg)) if run_dir is None else RunDir(Path(run_dir))
+    folder.create()
     model_spec = base_model_spec(cfg, say)
     if model_spec != cfg.model.name:  # the warm-up's facts (method, steps, validity before -> after) as params
         from ragen_core.trainer.warmup import warmup_facts
@@ -158,7 +153,7 @@ def open_session(
         logger.log_params({f"warmup.{k}": v for k, v in warmup_facts(Path(model_spec)).items()})
     # A warmed copy is passed as the starting weights, so checkpoints keep the configured model name.
     base = load_model(model_spec) if model_spec != cfg.model.name else None
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = folder.latest_checkpoint()
     state = load_checkpoint(ckpt, cfg, base) if ckpt else init_state(cfg, base)
     h = cfg.health
     monitor = CollapseMonitor(h.baseline_iters, h.std_drop, h.entropy_drop, h.grad_z, h.patience,
@@ -173,32 +168,18 @@ def open_session(
         collapse_ema = {str(k): float(v) for k, v in saved.get("collapse_ema", {}).items()}
     else:
         collapse_ema = {}
-    history = _read_history(run_dir, state.iteration)
+    history = [r for r in folder.read_history() if r.get("iteration", 0) < state.iteration]
     tokenizer = load_tokenizer(model_spec)
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
     with state.full_weights():  # a vLLM generator starts from a saved copy of the actor
         generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
                                    **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
                                       if cfg.rollout.backend == "hf" else {}))
-    (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
-    sess = Session(cfg, run_dir, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,
+    folder.write_config(to_dict(cfg))
+    sess = Session(cfg, folder.path, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,
                    progress)
     sess.collapse_ema = collapse_ema
     return sess
-
-
-def _yaml(data: dict[str, Any]) -> str:
-    import yaml
-
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
-
-
-def _read_history(run_dir: Path, upto: int) -> list[dict[str, float]]:
-    path = run_dir / "history.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("iteration", 0) < upto]
 
 
 # --------------------------------------------------------------------------- the steps
@@ -342,7 +323,6 @@ def checkpoint_due(sess: Session) -> bool:
 def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection, stats: UpdateStats,
                      val: dict[str, float] | None, diagnostics: dict[str, float] | None = None) -> dict[str, float]:
     """Health checks, metrics to the logger, the Parquet shard, readable samples, one summary line."""
-    from ragen_core.store import write_shard
     from ragen_core.tracking import trajectories_text
     from ragen_core.tracking.early_stop import HEALTH_STOP
 
@@ -363,7 +343,7 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
         sess.logger.set_tags({f"health.{rule}": str(step) for rule in rules.fired})
     if rules.stop and sess.stop_reason is None:
         sess.stop_reason = f"{HEALTH_STOP} {rules.reason}"
-    shard = write_shard(sess.run_dir, step, rollouts.trajectories, selection.kept)
+    shard = sess.folder.write_shard(step, rollouts.trajectories, selection.kept)
     sess.logger.log_metrics(metrics, step=step)
     every = cfg.tracking.artifact_every
     if every and (step % every == 0 or sess.done):
@@ -373,8 +353,7 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
         sess.logger.log_artifact(shard, f"rollouts/iter={step:04d}")
     row = {"iteration": step, **metrics}
     sess.history.append(row)
-    with open(sess.run_dir / "history.jsonl", "a") as fh:
-        fh.write(json.dumps(row) + "\n")
+    sess.folder.append_history(row)
     sess.say(summary_line(sess, row))
     return metrics
 
@@ -399,12 +378,11 @@ def save_run_checkpoint(sess: Session) -> Path:
     """Atomic checkpoint (models, optimizers, RNGs, counters, monitor); keeps the last few."""
     from ragen_core.trainer import save_checkpoint
 
-    target = sess.run_dir / "checkpoints" / f"iter={sess.iteration:06d}"
+    target = sess.folder.checkpoint_path(sess.iteration)
     save_checkpoint(sess.state, target)
     (target / "health.json").write_text(json.dumps({"echo": sess.monitor.state_dict(), "rules": sess.rules.state_dict(),
                                                     "collapse_ema": sess.collapse_ema}))
-    for old in sorted((sess.run_dir / "checkpoints").glob("iter=*"))[:-CHECKPOINTS_KEPT]:
-        shutil.rmtree(old, ignore_errors=True)
+    sess.folder.prune_checkpoints(keep=CHECKPOINTS_KEPT)
     return target
 
 
@@ -413,8 +391,7 @@ def record_final_eval(sess: Session, val: dict[str, float]) -> None:
     row = {"iteration": sess.iteration, **val}
     sess.logger.log_metrics(val, step=sess.iteration)
     sess.history.append(row)
-    with open(sess.run_dir / "history.jsonl", "a") as fh:
-        fh.write(json.dumps(row) + "\n")
+    sess.folder.append_history(row)
     sess.say(f"final evaluation after {sess.iteration} iterations | val success {val.get('val/success', float('nan')):.2f}")
 
 
@@ -477,10 +454,10 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
         for r in sess.history if f"env/{sess.cfg.env.label}/success" in r]
     metrics = [k for k, v in series.items() if v]
     if metrics:
-        png = plot_curves({sess.name: series}, metrics, sess.run_dir / "curves.png", title=sess.name)
+        png = plot_curves({sess.name: series}, metrics, sess.folder.curves_png, title=sess.name)
         sess.logger.log_artifact(Path(png), "plots")
     if log_model:
-        final = sess.run_dir / "final-model"
+        final = sess.folder.final_model
         shutil.rmtree(final, ignore_errors=True)
         with sess.state.full_weights():
             sess.state.models.actor.save_pretrained(final)

@@ -19,7 +19,6 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ragen_core.compare import RunHistory
 from ragen_core.config import data_dir, load_experiment
 from ragen_core.sweeps import (
     SweepPlan,
@@ -40,6 +39,7 @@ from ragen_core.sweeps.aggregate import (
 )
 from ragen_core.tracking import MetricLogger, NullLogger, flatten_config
 from ragen_core.tracking.factory import tracking_uri
+from ragen_core.tracking.run_history import RunHistory
 
 PARENT_ATTR = "mlflow_parent_run_id"
 """Study user attribute holding the parent run's id, so every worker and a resumed sweep nest under it."""

@@ -1,11 +1,13 @@
 """Parquet trajectory store: one shard per iteration, hive-partitioned, versioned, written atomically.
 
-    from ragen_core.store import run_dir, write_shard, read_run, read_trajectories
-    path = write_shard(run_dir("bandit-starpo-s"), iteration=3, trajectories=trajs, kept=kept)
-    df = read_run(run_dir("bandit-starpo-s"))            # pandas, all iterations, column 'iteration'
+    from ragen_core.store import RunDir, write_shard, read_run, read_trajectories
+    run = RunDir.named("bandit-starpo-s")                 # or any run folder: a path or a RunDir
+    path = write_shard(run, iteration=3, trajectories=trajs, kept=kept)
+    df = read_run(run)                                    # pandas, all iterations, column 'iteration'
     trajs = read_trajectories(df[df.iteration == 3])      # back to Trajectory records
 
-Layout: ``$RAGEN_DATA_DIR/runs/<run>/rollouts/iter=NNNN/part-0.parquet``. One row per trajectory
+Layout: ``$RAGEN_DATA_DIR/runs/<run>/rollouts/iter=NNNN/part-0.parquet`` (the paths come from
+store/run_dir.py, which owns a run folder's layout). One row per trajectory
 with its turns nested (``list<struct>``: prompt and response ids as ``list<int32>``, sampling
 log-probs as ``list<float32>``, the dtype they were sampled in), token counts, and ``kept`` (did
 the StarPO-S filter keep the trajectory's group). ``schema_version`` is a column and is also in
@@ -37,6 +39,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from ragen_core.store.run_dir import SHARD_FILE, rollouts_dir, shard_path
 from ragen_core.types import Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -44,14 +47,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "TURN_TYPE", "read_run", "read_shard", "read_trajectories", "rollouts_dir",
-    "run_dir", "shard_path", "to_table", "write_shard",
+    "shard_path", "to_table", "write_shard",
 ]
 
 SCHEMA_VERSION = 1
 """Bump when the schema changes incompatibly; readers refuse newer shards."""
 
 _META_KEY = b"ragen.schema_version"
-_SHARD = "part-0.parquet"
 
 TURN_TYPE = pa.struct([
     ("observation", pa.string()),
@@ -92,29 +94,6 @@ SCHEMA = pa.schema(
     metadata={_META_KEY: str(SCHEMA_VERSION).encode()},
 )
 """One row per trajectory (module docstring)."""
-
-
-# ---------------------------------------------------------------------- paths
-
-
-def run_dir(name: str) -> Path:
-    """``$RAGEN_DATA_DIR/runs/<name>`` (not created here)."""
-    from ragen_core.config import data_dir
-
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"bad run name {name!r}: use a plain directory name")
-    return data_dir() / "runs" / name
-
-
-def rollouts_dir(run: str | os.PathLike[str]) -> Path:
-    return Path(run) / "rollouts"
-
-
-def shard_path(run: str | os.PathLike[str], iteration: int) -> Path:
-    """``<run>/rollouts/iter=NNNN/part-0.parquet``."""
-    if iteration < 0:
-        raise ValueError(f"iteration must be >= 0, got {iteration}")
-    return rollouts_dir(run) / f"iter={iteration:04d}" / _SHARD
 
 
 # ---------------------------------------------------------------------- writing
@@ -161,7 +140,7 @@ def write_shard(run: str | os.PathLike[str], iteration: int, trajectories: Seque
     final.parent.mkdir(parents=True, exist_ok=True)
     table = to_table(trajectories, kept)
     _remove_stale_temps(final.parent)
-    tmp = final.parent / f".{_SHARD}.tmp-{os.getpid()}"
+    tmp = final.parent / f".{SHARD_FILE}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as handle:
             pq.write_table(table, handle, compression="zstd")
@@ -177,7 +156,7 @@ def write_shard(run: str | os.PathLike[str], iteration: int, trajectories: Seque
 
 def _remove_stale_temps(folder: Path) -> None:
     """Delete temp shards whose writer process no longer exists."""
-    for path in folder.glob(f".{_SHARD}.tmp-*"):
+    for path in folder.glob(f".{SHARD_FILE}.tmp-*"):
         pid = path.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ragen_core.compare import RunHistory, success_series
+from ragen_core.tracking.run_history import RunHistory, success_series
 
 if TYPE_CHECKING:
     from ragen_core.config import HealthConfig
@@ -241,7 +241,7 @@ def _run_mean(run: RunHistory, metric: str) -> float | None:
 
 
 def group_table(groups: Mapping[str, Sequence[RunHistory]], drop: float) -> list[GroupRow]:
-    """One :class:`GroupRow` per group (success from :func:`ragen_core.compare.success_series`)."""
+    """One :class:`GroupRow` per group (success from :func:`ragen_core.tracking.run_history.success_series`)."""
     rows = []
     for group, runs in groups.items():
         finals, peaks, peak_steps, collapsed = [], [], [], 0

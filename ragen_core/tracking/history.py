@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ragen_core.compare import RunHistory, wanted_metrics
+import yaml
+
+from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.logger import check_metric_names
 from ragen_core.tracking.mlflow_logger import default_tracking_uri
 from ragen_core.tracking.outbox import STATE_FILE
+from ragen_core.tracking.run_history import RunHistory, wanted_metrics
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -101,7 +104,7 @@ def metric_histories(
 
 
 def fetch_runs(uri: str, refs: Sequence[str], extra: Sequence[str] = ()) -> list[FetchedRun]:
-    """Each run of ``refs`` (id or name) with the histories :func:`ragen_core.compare.wanted_metrics` asks for,
+    """Each run of ``refs`` (id or name) with the histories :func:`ragen_core.tracking.run_history.wanted_metrics` asks for,
     and those of ``extra`` (a study's curves and the monitor's streaks)."""
     client = _client(uri)
     fetched = []
@@ -146,13 +149,9 @@ def find_group(uri: str, tags: Mapping[str, str] | None = None, parent: str | No
 def tracking_uri_for(refs: Sequence[str]) -> str:
     """The tracking URI recorded in the first of ``refs`` that is a local run (its config's tracking.uri),
     else the default (``$MLFLOW_TRACKING_URI`` or ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``)."""
-    import yaml
-
-    from ragen_core.session import resolve_run_dir
-
     for ref in refs:
         try:
-            cfg = yaml.safe_load((resolve_run_dir(ref) / "config.yaml").read_text()) or {}
+            cfg = RunDir.find(ref).read_config()
         except (FileNotFoundError, OSError, yaml.YAMLError):
             continue
         uri = (cfg.get("tracking") or {}).get("uri")

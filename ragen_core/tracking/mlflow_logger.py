@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragen_core.config import data_dir
+from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.logger import check_metric_names, check_status
 from ragen_core.tracking.outbox import Outbox
 
@@ -100,7 +101,7 @@ class MLflowLogger:
         if outbox_dir is None:
             if not (run_name or run_id):
                 raise ValueError("MLflowLogger needs outbox_dir, run_name or run_id to place its outbox")
-            outbox_dir = data_dir() / "runs" / str(run_name or run_id)
+            outbox_dir = RunDir.named(str(run_name or run_id)).path
         self._outbox = Outbox(Path(outbox_dir))
         known = self._outbox.run_id
         if run_id and known and run_id != known:

@@ -5,7 +5,7 @@
     state = init_state(cfg)                                  # models + AdamW engines, RNGs seeded
     kept = filter_batch(batch, trajectories, cfg.algorithm)  # StarPO-S: whole groups by reward std
     stats = update(state, kept.batch, cfg)                   # Online-k optimizer steps, metrics
-    save_checkpoint(state, run_dir / "checkpoints" / f"iter={state.iteration:06d}")
+    save_checkpoint(state, run.checkpoint_path(state.iteration))  # run: a store.run_dir.RunDir
 
 Run the tests with ``python -m pytest tests/unit/trainer -q``.
 """

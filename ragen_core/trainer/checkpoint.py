@@ -1,7 +1,7 @@
 """Checkpoints: save a TrainState atomically and restore it so the next update is the same.
 
-    save_checkpoint(state, run_dir / "checkpoints" / "iter=000010")
-    state = load_checkpoint(run_dir / "checkpoints" / "iter=000010", cfg)
+    save_checkpoint(state, run.checkpoint_path(10))        # run: a store.run_dir.RunDir (checkpoints/iter=000010)
+    state = load_checkpoint(run.latest_checkpoint(), cfg)
 
 A checkpoint directory holds:
 

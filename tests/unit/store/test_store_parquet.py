@@ -26,6 +26,7 @@ from ragen_core.rollout.batch import build_token_batch
 from ragen_core.rollout.loop import run_rollouts
 from ragen_core.rollout.scripted import ScriptedGenerator
 from ragen_core.store import parquet as store
+from ragen_core.store.run_dir import RunDir
 from ragen_core.types import Trajectory, Turn
 
 
@@ -100,13 +101,12 @@ def test_empty_run_reads_as_an_empty_frame(tmp_path: Path) -> None:
     assert store.read_trajectories(frame) == []
 
 
-def test_run_dir_follows_ragen_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path))
-    assert store.run_dir("exp-1") == tmp_path.resolve() / "runs" / "exp-1"
-    assert store.shard_path(store.run_dir("exp-1"), 7).parts[-2:] == ("iter=0007", "part-0.parquet")
-    for bad in ("", "a/b", ".."):
-        with pytest.raises(ValueError, match="run name"):
-            store.run_dir(bad)
+def test_writer_and_reader_take_a_run_dir(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "r")
+    assert store.write_shard(run, 7, [_hand()]) == run.shard_path(7) == tmp_path / "r/rollouts/iter=0007/part-0.parquet"
+    assert store.read_trajectories(run.read_rollouts()) == [_hand()]
+    assert run.write_shard(8, [_hand()], [False]) == run.shard_path(8)
+    assert store.read_run(run).iteration.tolist() == [7, 8]
 
 
 def test_kept_must_match(tmp_path: Path) -> None:

@@ -1,0 +1,163 @@
+"""RunDir: a run folder's layout, name checks, history, checkpoints and finding a run by name or path.
+
+Run: .venv/bin/python -m pytest tests/unit/store/test_run_dir.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ragen_core.store import parquet
+from ragen_core.store.run_dir import RunDir, check_run_name
+
+
+@pytest.fixture
+def data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path))
+    return tmp_path.resolve()
+
+
+def _checkpoint(run: RunDir, iteration: int) -> Path:
+    """A hand-made checkpoint folder with one file in it (what the trainer writes is not needed here)."""
+    path = run.checkpoint_path(iteration)
+    path.mkdir(parents=True)
+    (path / "state.json").write_text(json.dumps({"iteration": iteration}))
+    return path
+
+
+# ---------------------------------------------------------------------- names and paths
+
+
+def test_named_follows_ragen_data_dir_and_creates_nothing(data: Path) -> None:
+    run = RunDir.named("exp-1")
+    assert run.path == data / "runs" / "exp-1" and run.name == "exp-1"
+    assert not run.path.exists()
+    assert run.shard_path(7).parts[-3:] == ("rollouts", "iter=0007", "part-0.parquet")
+    assert run.shard_path(7) == parquet.shard_path(run.path, 7)  # the Parquet store uses the same layout
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", "/abs"])
+def test_bad_names_are_refused_with_a_clear_error(data: Path, bad: str) -> None:
+    with pytest.raises(ValueError, match=r"bad run name .*plain directory name"):
+        RunDir.named(bad)
+    with pytest.raises(ValueError, match="bad run name"):
+        RunDir.new(bad)
+    assert not (data / "runs").exists()  # nothing made on the way to the error
+
+
+def test_check_run_name_returns_a_good_name() -> None:
+    assert check_run_name("bandit-starpo-s-20260101-120000") == "bandit-starpo-s-20260101-120000"
+
+
+def test_new_creates_the_folder_and_reuses_an_existing_one(data: Path) -> None:
+    run = RunDir.new("r")
+    assert run.path.is_dir()
+    (run.path / "keep.txt").write_text("x")
+    assert RunDir.new("r") == run and (run.path / "keep.txt").read_text() == "x"
+
+
+def test_a_run_dir_is_path_like(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "r")
+    assert Path(run) == tmp_path / "r" and os.fspath(run) == str(tmp_path / "r")
+
+
+def test_layout_names(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    assert run.config_path == tmp_path / "config.yaml"
+    assert run.history_path == tmp_path / "history.jsonl"
+    assert run.checkpoint_path(12) == tmp_path / "checkpoints" / "iter=000012"
+    assert run.rollouts_dir == tmp_path / "rollouts"
+    assert run.final_model == tmp_path / "final-model"
+    assert run.curves_png == tmp_path / "curves.png"
+
+
+def test_shard_path_refuses_a_negative_iteration(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="iteration must be >= 0"):
+        RunDir(tmp_path).shard_path(-1)
+
+
+# ---------------------------------------------------------------------- config and history
+
+
+def test_config_round_trip_keeps_key_order_and_unicode(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    data = {"name": "é-run", "trainer": {"iterations": 3, "lr": 1e-06}, "alpha": [1, 2]}
+    run.write_config(data)
+    # yaml.safe_dump(sort_keys=False, allow_unicode=True): declaration order, unicode kept as is
+    assert run.config_path.read_text() == "name: é-run\ntrainer:\n  iterations: 3\n  lr: 1.0e-06\nalpha:\n- 1\n- 2\n"
+    assert run.read_config() == data
+    run.config_path.write_text("")
+    assert run.read_config() == {}
+
+
+def test_history_append_and_read_round_trip(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    assert run.read_history() == []  # no file yet
+    rows = [{"iteration": 0, "val/success": 0.25, "actor/entropy": 1.5}, {"iteration": 1, "note": "√"}]
+    for row in rows:
+        run.append_history(row)
+    assert run.read_history() == rows
+    # one json.dumps line per row, appended: the exact bytes a reader of history.jsonl sees
+    assert run.history_path.read_text() == "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_history_skips_blank_lines(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    run.history_path.write_text('{"iteration": 0}\n\n  \n{"iteration": 1}\n')
+    assert run.read_history() == [{"iteration": 0}, {"iteration": 1}]
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoints_list_latest_and_prune(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    assert run.checkpoints() == [] and run.latest_checkpoint() is None  # no checkpoints/ folder at all
+    made = [_checkpoint(run, i) for i in (10, 2, 100, 4)]
+    (run.checkpoints_dir / "notes.txt").write_text("not a checkpoint")
+    by_iteration = sorted(made, key=lambda p: int(p.name.split("=")[1]))
+    assert run.checkpoints() == by_iteration  # zero-padded names sort by iteration (100 after 10)
+    assert run.latest_checkpoint() == run.checkpoint_path(100)
+    deleted = run.prune_checkpoints(keep=2)
+    assert deleted == by_iteration[:2]
+    assert run.checkpoints() == [run.checkpoint_path(10), run.checkpoint_path(100)]
+    assert (run.checkpoints_dir / "notes.txt").exists()
+    assert run.prune_checkpoints(keep=2) == []  # nothing more to delete
+
+
+def test_prune_needs_to_keep_one(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        RunDir(tmp_path).prune_checkpoints(keep=0)
+
+
+def test_of_checkpoint_is_the_run_two_levels_up(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "r")
+    ckpt = _checkpoint(run, 3)
+    assert RunDir.of_checkpoint(ckpt) == RunDir((tmp_path / "r").resolve())
+
+
+# ---------------------------------------------------------------------- finding a run
+
+
+def test_find_by_name_and_by_path(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    named = RunDir.new("exp-2")
+    named.write_config({"name": "exp"})
+    assert RunDir.find("exp-2") == named
+    elsewhere = RunDir(tmp_path / "elsewhere" / "exp-3").create()
+    elsewhere.write_config({"name": "exp"})
+    assert RunDir.find(str(elsewhere.path)) == elsewhere
+    assert RunDir.find(elsewhere.path) == elsewhere
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert RunDir.find("exp-3") == RunDir(Path("exp-3"))  # a relative path wins over a name
+
+
+def test_find_says_where_it_looked(data: Path, tmp_path: Path) -> None:
+    RunDir.new("no-config")  # a folder without config.yaml is not a run
+    with pytest.raises(FileNotFoundError, match=r"no run 'no-config': neither no-config nor .*runs/no-config holds"):
+        RunDir.find("no-config")
+    with pytest.raises(FileNotFoundError, match="no run"):
+        RunDir.find(str(tmp_path / "missing"))
