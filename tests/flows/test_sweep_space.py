@@ -289,7 +289,7 @@ def test_duplicate_of_keeps_one_run_per_grid_point() -> None:
 def test_cli_refuses_a_bad_grid_point_before_training(base: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from ragen_core.cli import app
+    from flows.cli import app
 
     result = CliRunner().invoke(app, ["sweep", str(sweep_file(tmp_path, "knobs: {responses_per_prompt: [4, 3]}\n"))])
     assert result.exit_code == 2

@@ -9,7 +9,8 @@
 
 Heavy modules (torch, prefect, mlflow) are imported inside the commands so `--help`
 is instant. A bad configuration exits with status 2 before anything is written.
-The flows live in the top-level ``flows`` package; this module only calls them.
+The command sits at the edge beside the flows it calls; the library (``ragen_core``) never
+imports it (tests/unit/test_layering.py). Tests: tests/unit/test_cli.py.
 """
 
 from __future__ import annotations
