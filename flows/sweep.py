@@ -41,6 +41,7 @@ from ragen_core.sweeps import (
     storage_url,
     suggest_params,
     trial_experiment,
+    trial_record,
     trial_spec,
     worker_name,
 )
@@ -98,12 +99,12 @@ def objective(trial: Any, plan: SweepPlan, url: str, parent_run_id: str | None) 
     """One trial: the train flow on the base experiment plus this trial's overrides."""
     import optuna
 
-    if "failed_trial" in trial.study._storage.get_trial_system_attrs(trial._trial_id):
+    if "failed_trial" in trial_record(trial.study, trial.number).system_attrs:
         # a retry inherits the lost trial's attributes
         for key in RESULT_ATTRS:
             trial.set_user_attr(key, None)
     params = suggest_params(trial, plan)
-    other = duplicate_of(trial.study, trial._trial_id)
+    other = duplicate_of(trial.study, trial.number)
     if other is not None:
         trial.set_user_attr("skipped", f"same grid point as trial {other}")
         raise DuplicateTrial(f"trial {trial.number} skipped: trial {other} runs the same grid point {params}")
@@ -112,14 +113,14 @@ def objective(trial: Any, plan: SweepPlan, url: str, parent_run_id: str | None) 
     trial.set_user_attr("worker", worker_name())
     try:
         result = train_trial(plan, experiment, overrides, parent_run_id, trial.number,
-                             trial_spec(plan.sweep, url, trial._trial_id))
+                             trial_spec(plan.sweep, url, trial.number))
     except BaseException as e:
         if not isinstance(e, Exception):  # Ctrl-C or a termination signal: run it again on resume
             trial.set_user_attr("interrupted", type(e).__name__)
         raise
     if result is not None:
         trial.set_user_attr("mlflow_run_id", result.mlflow_run_id)
-    attrs = trial.study._storage.get_trial(trial._trial_id).user_attrs  # written by the trial's reporter
+    attrs = trial_record(trial.study, trial.number).user_attrs  # written by the trial's reporter
     if attrs.get("pruned_at") is not None:
         raise optuna.TrialPruned(f"{plan.sweep.metric} below the median at iteration {attrs['pruned_at']}")
     if attrs.get("health_stop") and plan.sweep.prune_on_health:
