@@ -121,6 +121,18 @@ def study(
     print(sweep_flow(sweep_file=str(study_file), workers=workers, overrides=list(set_ or [])))
 
 
+@app.command("sweep-worker", hidden=True)
+def sweep_worker(
+    sweep_file: Annotated[Path, typer.Argument(help="sweep YAML")],
+    parent_run_id: Annotated[str | None, typer.Option(help="MLflow parent run to nest the trials under")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """One worker process of `ragen sweep --workers N` (started by the sweep): trials until none is left."""
+    from flows.sweep import worker
+
+    worker(str(sweep_file), list(set_ or []), parent_run_id)
+
+
 @app.command()
 def compare(
     runs: Annotated[list[str] | None, typer.Argument(help="MLflow run ids or run names")] = None,

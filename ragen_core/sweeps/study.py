@@ -51,6 +51,7 @@ __all__ = [
     "dashboard_command",
     "duplicate_of",
     "fail_stale",
+    "finished_count",
     "make_pruner",
     "make_sampler",
     "open_storage",
@@ -59,6 +60,7 @@ __all__ = [
     "remaining_trials",
     "requeue_interrupted",
     "running_trials",
+    "settle",
     "stop_when_done",
     "storage_url",
     "trial_record",
@@ -296,6 +298,22 @@ def fail_stale(study: optuna.Study) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+
+
+def finished_count(study: optuna.Study) -> int:
+    """Trials in a final state (COMPLETE, PRUNED, FAIL): a round of trials made progress when this grew."""
+    return sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
+
+
+def settle(study: optuna.Study, poll_seconds: float = 2.0, say: Callable[[str], None] = print) -> None:
+    """Wait until no trial is RUNNING: live workers finish theirs, lost workers' trials go FAIL by heartbeat."""
+    announced: set[int] = set()
+    while running := running_trials(study):
+        if set(running) - announced:
+            say(f"[sweep] waiting for running trials {running} (finished, or failed when their heartbeat stops)")
+            announced |= set(running)
+        fail_stale(study)
+        time.sleep(poll_seconds)
 
 
 def stop_when_done(
