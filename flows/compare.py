@@ -21,7 +21,7 @@ from prefect import flow
 from ragen_core import compare as cmp
 from ragen_core.sweeps.aggregate import study_metrics, write_study
 from ragen_core.tracking.history import find_group, tracking_uri_for
-from tasks import eval_steps as t
+from tasks import compare_steps as steps
 
 
 @flow(name="ragen-compare")
@@ -50,7 +50,7 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
     uri = tracking_uri or tracking_uri_for(refs)
     if tags or parent is not None:
         refs += [r for r in find_group(uri, tags, parent) if r not in refs]
-    fetched = t.fetch_runs(uri, refs, study_metrics() if group_by else ())
+    fetched = steps.fetch_runs(uri, refs, study_metrics() if group_by else ())
     histories = [f.history for f in fetched]
     files = cmp.write_outputs(histories, Path(out_dir))
     study_md = ""
@@ -61,7 +61,7 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
         study_md = "\n" + paths["md"].read_text()
     name = f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     record_tags = {"kind": "compare", "compared_runs": ",".join(h.run_id for h in histories)}
-    run_id = t.log_comparison(uri, fetched[0].experiment_id, name, record_tags, files)
+    run_id = steps.log_comparison(uri, fetched[0].experiment_id, name, record_tags, files)
     return (cmp.table_markdown([cmp.summarize(h) for h in histories]) + study_md
             + f"\nwritten to {Path(out_dir).resolve()}: {', '.join(f.name for f in files)}"
             + f"\nlogged as MLflow run {name} ({run_id}) at {uri}")

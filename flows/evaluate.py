@@ -21,7 +21,7 @@ from ragen_core.config import load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import tracking_uri
 from ragen_core.tracking.history import run_id_of
-from tasks import eval_steps as t
+from tasks import eval_steps as steps
 
 
 @flow(name="ragen-evaluate")
@@ -34,9 +34,9 @@ def evaluate(target: str, seeds: int | None = None, overrides: list[str] | None 
     envs = ev.evaluation_envs(cfg)
     with Reporter(1) as ui:
         ui.say(f"evaluating {target_.weights} on {', '.join(e.label for e in envs)}")
-        report = t.evaluate_weights(cfg, target_, envs, seeds,
-                                    progress=lambda done, total: ui.progress("evaluate", done, total))
+        report = steps.evaluate_weights(cfg, target_, envs, seeds,
+                                        progress=lambda done, total: ui.progress("evaluate", done, total))
     files = list(ev.write_report(report, target_.run_dir))
     uri = tracking_uri(cfg) if cfg.tracking.backend == "mlflow" else None
-    where = t.log_evaluation(uri, run_id_of(target_.run_dir), report, files, target_.iteration)
+    where = steps.log_evaluation(uri, run_id_of(target_.run_dir), report, files, target_.iteration)
     return f"{ev.format_table(report)}\nwritten to {files[0]} and {files[1]}; {where}"

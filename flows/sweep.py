@@ -2,49 +2,65 @@
 
     ragen sweep sweeps/smoke.yaml                      # one process, trials as sub-flows
     ragen sweep sweeps/table2-responses-per-prompt.yaml --workers 4
+    ragen study studies/echo-trap-bandit.yaml          # a sweep with group_by: the study report too
     python -c "from flows.sweep import sweep; print(sweep('sweeps/smoke.yaml'))"
     optuna-dashboard sqlite:///data/optuna.db          # watch the study
 
 One MLflow parent run per study and a nested run per trial (tags study, trial and the
 Prefect flow-run id); each trial runs ``flows.train.train`` itself (no second copy of the
 training code), reports validation success per evaluation and may be pruned. ``--workers N``
-starts N processes (``python -m flows.sweep worker ...``) on the same storage; with
-``dispatch: deployment`` each trial is a run of the ``ragen-train`` deployment on the work
+starts N processes (the hidden command ``ragen sweep-worker``, flows/cli.py) on the same storage;
+with ``dispatch: deployment`` each trial is a run of the ``ragen-train`` deployment on the work
 pool instead. Interrupted? Run the same command again: the study resumes. At the end the
 results table (CSV, Markdown, PNG) and the best params go on the parent run.
+Tests: tests/flows/test_sweep_flow.py, test_sweep_workers.py, test_study_flow.py.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
+import shutil
+import sys
 import time
 from typing import Any
 
+import optuna
 from prefect import flow
 from prefect.runtime import flow_run
 
-from ragen_core.config import ConfigError
+from ragen_core.config import ConfigError, load_experiment
 from ragen_core.sweeps import (
     RESULT_ATTRS,
     DuplicateTrial,
     SweepPlan,
     dashboard_command,
     duplicate_of,
+    finished_count,
     objective_value,
     open_study,
     plan_sweep,
     redact,
     remaining_trials,
     requeue_interrupted,
+    settle,
     stop_when_done,
     storage_url,
     suggest_params,
     trial_experiment,
+    trial_record,
     trial_spec,
     worker_name,
 )
-from tasks import sweep_steps as st
+from ragen_core.sweeps.aggregate import study_metrics
+from ragen_core.tracking import MetricLogger, MLflowLogger, NullLogger, flatten_config
+from ragen_core.tracking.factory import tracking_uri
+from ragen_core.tracking.history import fetch_runs
+from ragen_core.tracking.run_history import RunHistory
+from tasks import sweep_steps as steps
+
+PARENT_ATTR = "mlflow_parent_run_id"
+"""Study user attribute holding the parent run's id, so every worker and a resumed sweep nest under it."""
 
 
 @flow(name="ragen-sweep")
@@ -54,34 +70,44 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
     plan = plan_sweep(sweep_file, overrides)
     url = storage_url(plan.sweep)
     study = open_study(plan.sweep, plan.grid, url)
-    parent = st.open_parent_run(plan, study, url, flow_run.id)
+    parent = open_parent_run(plan, study, url, flow_run.id)
     print(f"[sweep] study {plan.sweep.name} in {redact(url)}: {plan.target} trials; watch it with "
           f"{dashboard_command(url)}")
     status = "FAILED"
     try:
-        finished = -1
-        while True:
-            requeue_interrupted(study, plan.sweep.retries)  # a resumed study reruns interrupted trials
-            todo = remaining_trials(study, plan.target, plan.grid)
-            if not todo and finished >= 0:
-                break
-            if todo and workers > 1:
-                st.spawn_workers(plan, overrides, parent.run_id, min(workers, todo))
-            elif todo:
-                run_worker(plan, url, parent.run_id)
-            st.settle(study)  # lost workers' trials go FAIL (and are queued again) before the next round
-            now = sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
-            if now == finished:
-                print(f"[sweep] no trial finished in the last round; {todo} left undone")
-                break
-            finished = now
-        summary = st.publish_results(plan, study, parent, url)
+        run_trials(plan, study, url, overrides, parent.run_id, workers)
+        close_lost_runs(plan, study.get_trials(deepcopy=False))
+        summary = steps.publish_results(plan, study, parent, url)
         if plan.sweep.group_by:
-            summary += "\n\n" + st.publish_study(plan, study, parent)
+            summary += "\n\n" + steps.publish_study(plan, trial_histories(plan, study.get_trials(deepcopy=False)),
+                                                    parent)
         status = "FINISHED"
     finally:
         parent.close(status)
     return summary
+
+
+def run_trials(plan: SweepPlan, study: optuna.Study, url: str, overrides: list[str], parent_run_id: str | None,
+               workers: int) -> None:
+    """Rounds of trials until none is left to start: each round queues interrupted trials again, runs
+    what is left (here, or in ``workers`` processes), then waits for running trials (a lost worker's go
+    FAIL and are queued again). Ends early when a round finishes no trial, so a stuck study stops."""
+    finished = None
+    while True:
+        requeue_interrupted(study, plan.sweep.retries)
+        todo = remaining_trials(study, plan.target, plan.grid)
+        if not todo and finished is not None:
+            return
+        if todo and workers > 1:
+            steps.spawn_workers(worker_command(plan, overrides, parent_run_id), worker_env(), min(workers, todo))
+        elif todo:
+            run_worker(plan, url, parent_run_id)
+        settle(study)
+        now = finished_count(study)
+        if now == finished:
+            print(f"[sweep] no trial finished in the last round; {todo} left undone")
+            return
+        finished = now
 
 
 def run_worker(plan: SweepPlan, url: str, parent_run_id: str | None) -> None:
@@ -94,16 +120,14 @@ def run_worker(plan: SweepPlan, url: str, parent_run_id: str | None) -> None:
                    callbacks=[stop_when_done(plan.target, plan.grid)], gc_after_trial=True)
 
 
-def objective(trial: Any, plan: SweepPlan, url: str, parent_run_id: str | None) -> float | tuple[float, float]:
+def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str | None) -> float | tuple[float, float]:
     """One trial: the train flow on the base experiment plus this trial's overrides."""
-    import optuna
-
-    if "failed_trial" in trial.study._storage.get_trial_system_attrs(trial._trial_id):
+    if "failed_trial" in trial_record(trial.study, trial.number).system_attrs:
         # a retry inherits the lost trial's attributes
         for key in RESULT_ATTRS:
             trial.set_user_attr(key, None)
     params = suggest_params(trial, plan)
-    other = duplicate_of(trial.study, trial._trial_id)
+    other = duplicate_of(trial.study, trial.number)
     if other is not None:
         trial.set_user_attr("skipped", f"same grid point as trial {other}")
         raise DuplicateTrial(f"trial {trial.number} skipped: trial {other} runs the same grid point {params}")
@@ -112,14 +136,14 @@ def objective(trial: Any, plan: SweepPlan, url: str, parent_run_id: str | None) 
     trial.set_user_attr("worker", worker_name())
     try:
         result = train_trial(plan, experiment, overrides, parent_run_id, trial.number,
-                             trial_spec(plan.sweep, url, trial._trial_id))
+                             trial_spec(plan.sweep, url, trial.number))
     except BaseException as e:
         if not isinstance(e, Exception):  # Ctrl-C or a termination signal: run it again on resume
             trial.set_user_attr("interrupted", type(e).__name__)
         raise
     if result is not None:
         trial.set_user_attr("mlflow_run_id", result.mlflow_run_id)
-    attrs = trial.study._storage.get_trial(trial._trial_id).user_attrs  # written by the trial's reporter
+    attrs = trial_record(trial.study, trial.number).user_attrs  # written by the trial's reporter
     if attrs.get("pruned_at") is not None:
         raise optuna.TrialPruned(f"{plan.sweep.metric} below the median at iteration {attrs['pruned_at']}")
     if attrs.get("health_stop") and plan.sweep.prune_on_health:
@@ -138,6 +162,7 @@ def train_trial(plan: SweepPlan, experiment: str, overrides: list[str], parent_r
               "tags": {"study": plan.sweep.name, "trial": str(number)}, "trial": spec}
     if plan.sweep.dispatch == "deployment":
         return run_on_pool(plan, kwargs)
+    # imported here: the train flow loads torch, which the sweep's own loop does not need
     from flows.train import train
 
     return train(**kwargs)
@@ -161,17 +186,83 @@ def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:
                            f"{run.state.name if run.state else 'without a state'}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m flows.sweep worker SWEEP.yaml [--parent-run-id ID] [--set k=v ...]``: one worker process."""
-    parser = argparse.ArgumentParser(prog="python -m flows.sweep", description=main.__doc__)
-    parser.add_argument("command", choices=["worker"])
-    parser.add_argument("sweep_file")
-    parser.add_argument("--parent-run-id", default=None)
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    args = parser.parse_args(argv)
-    plan = plan_sweep(args.sweep_file, args.overrides)
-    run_worker(plan, storage_url(plan.sweep), args.parent_run_id)
+def worker(sweep_file: str, overrides: list[str], parent_run_id: str | None) -> None:
+    """One worker process of ``--workers N`` (``ragen sweep-worker``): trials until none is left to start."""
+    plan = plan_sweep(sweep_file, overrides)
+    run_worker(plan, storage_url(plan.sweep), parent_run_id)
 
 
-if __name__ == "__main__":
-    main()
+def worker_command(plan: SweepPlan, overrides: list[str], parent_run_id: str | None) -> list[str]:
+    """The command line of one worker process: the hidden ``sweep-worker`` command of flows/cli.py."""
+    cmd = [sys.executable, "-m", "flows.cli", "sweep-worker", plan.path]
+    cmd += ["--parent-run-id", parent_run_id] if parent_run_id else []
+    for item in overrides:
+        cmd += ["--set", item]
+    return cmd
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of worker processes: this one, pointed at the same Prefect API.
+
+    In Prefect's ephemeral mode the API is a temporary server inside this process; workers
+    that report there show their train runs beside the sweep's (and start no server of their own).
+    """
+    env = dict(os.environ)
+    if not env.get("PREFECT_API_URL"):
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            env["PREFECT_API_URL"] = str(client.api_url).rstrip("/")
+    return env
+
+
+def open_parent_run(plan: SweepPlan, study: optuna.Study, url: str, flow_run_id: str | None) -> MetricLogger:
+    """One MLflow run per study (run name = study name); a resumed study continues the same run."""
+    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
+    if base.tracking.backend == "none":
+        return NullLogger(record=False)
+    known = study.user_attrs.get(PARENT_ATTR)
+    tags = {"study": plan.sweep.name, "sweep": "parent", "optuna.storage": redact(url),
+            **({"prefect.flow_run_id": flow_run_id} if flow_run_id else {})}
+    outbox = plan.out_dir / "mlflow-parent"
+    try:
+        logger = MLflowLogger(tracking_uri(base), base.tracking.experiment, run_name=plan.sweep.name,
+                              run_id=known, tags=tags, outbox_dir=outbox)
+    except ValueError:  # the outbox belongs to an older study of the same name: the study's record wins
+        shutil.rmtree(outbox, ignore_errors=True)
+        logger = MLflowLogger(tracking_uri(base), base.tracking.experiment, run_name=plan.sweep.name,
+                              run_id=known, tags=tags, outbox_dir=outbox)
+    if logger.run_id and known != logger.run_id:
+        study.set_user_attr(PARENT_ATTR, logger.run_id)
+    logger.log_params({f"sweep.{k}": v for k, v in flatten_config(plan.sweep).items()})
+    return logger
+
+
+def close_lost_runs(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> None:
+    """Mark FAILED the MLflow runs of trials that failed while their run was open (a killed worker)."""
+    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
+    lost = [t.user_attrs["mlflow_run_id"] for t in trials if t.state.name == "FAIL" and t.user_attrs.get("mlflow_run_id")]
+    if not lost or base.tracking.backend == "none":
+        return
+    from mlflow import MlflowClient  # only when a trial was lost: mlflow takes seconds to import
+
+    client = MlflowClient(tracking_uri(base))
+    for run_id in lost:
+        try:
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, "FAILED")
+        except Exception as e:  # noqa: BLE001 -- a tracking hiccup must not lose the results table
+            print(f"[sweep] could not mark MLflow run {run_id} FAILED: {e}")
+
+
+def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> list[RunHistory]:
+    """The MLflow histories of the trials that trained (a study's curves and the monitor's signals), each
+    run's tags completed with its trial's parameters (so ``group_by`` may name a parameter or a tag)."""
+    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
+    ran = [t for t in sorted(trials, key=lambda t: t.number)
+           if t.state.name in ("COMPLETE", "PRUNED") and t.user_attrs.get("mlflow_run_id")]
+    if not ran or base.tracking.backend == "none":
+        return []
+    fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics())
+    return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}})
+            for f, t in zip(fetched, ran)]

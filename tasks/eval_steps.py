@@ -1,8 +1,8 @@
-"""The steps of ``ragen eval`` (flows/evaluate.py) and ``ragen compare`` (flows/compare.py) as Prefect tasks.
+"""The steps of ``ragen eval`` (flows/evaluate.py) as Prefect tasks; ``ragen compare``'s are in compare_steps.py.
 
-Each calls one ``ragen_core`` function. ``NO_CACHE``: an evaluation depends on weights on disk and a
-comparison on a live tracking store, neither of which the inputs describe. No retries: a failed
-evaluation is minutes of rollouts, and logging twice would duplicate metric points.
+Each calls one ``ragen_core`` function. ``NO_CACHE``: an evaluation depends on weights on disk, which
+the inputs do not describe. No retries: a failed evaluation is minutes of rollouts, and logging twice
+would duplicate metric points.
 """
 
 from __future__ import annotations
@@ -38,13 +38,3 @@ def log_evaluation(uri: str | None, run_id: str | None, report: ev.EvalReport, f
         log.warning("could not log the evaluation to MLflow run %s at %s: %s", run_id, uri, e)
         return f"not logged to MLflow ({type(e).__name__}: {e}); the results are in {files[0].parent}"
     return f"logged to MLflow run {run_id} at {uri} (metrics val/final/..., artifacts eval/)"
-
-
-@task(name="fetch-runs", cache_policy=NO_CACHE)
-def fetch_runs(uri: str, refs: list[str], extra: tuple[str, ...] = ()) -> list[history.FetchedRun]:
-    return history.fetch_runs(uri, refs, extra)
-
-
-@task(name="log-comparison", cache_policy=NO_CACHE)
-def log_comparison(uri: str, experiment_id: str, run_name: str, tags: dict[str, str], files: list[Path]) -> str:
-    return history.log_compare_run(uri, experiment_id, run_name, tags, files, artifact_path="compare")

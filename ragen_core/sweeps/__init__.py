@@ -5,12 +5,13 @@
 - :mod:`.space`: knobs and search space -> one trial's ``--set`` overrides of the base experiment.
 - :mod:`.objective`: final / best / area-under-curve of validation success; token or time cost.
 - :mod:`.study`: storage (sqlite or any SQLAlchemy URL), heartbeat, sampler/pruner, the
-  per-evaluation reporter the train flow calls, and when workers stop.
+  per-evaluation reporter the train flow calls, when workers stop, and waiting for running
+  trials; Optuna's public API only (trials are named by study and number).
 - :mod:`.results`: the paper-style table (rows = knob values, columns = success per env) as
   CSV, Markdown and PNG.
 
 Optuna is imported inside functions, so importing this package is cheap. No Prefect or MLflow
-here (flows/sweep.py does that). Tests: ``.venv/bin/python -m pytest tests/flows -k sweep -q``.
+here (flows/sweep.py and tasks/sweep_steps.py do that). Tests: ``.venv/bin/python -m pytest tests/flows -k sweep -q``.
 """
 
 from ragen_core.sweeps.objective import objective_value, run_cost
@@ -36,6 +37,7 @@ from ragen_core.sweeps.study import (
     dashboard_command,
     duplicate_of,
     fail_stale,
+    finished_count,
     make_pruner,
     make_sampler,
     open_storage,
@@ -44,8 +46,10 @@ from ragen_core.sweeps.study import (
     remaining_trials,
     requeue_interrupted,
     running_trials,
+    settle,
     stop_when_done,
     storage_url,
+    trial_record,
     trial_reporter,
     trial_spec,
     worker_name,
@@ -64,6 +68,7 @@ __all__ = [
     "dashboard_command",
     "duplicate_of",
     "fail_stale",
+    "finished_count",
     "grid_space",
     "knob_overrides",
     "make_pruner",
@@ -78,12 +83,14 @@ __all__ = [
     "requeue_interrupted",
     "run_cost",
     "running_trials",
+    "settle",
     "stop_when_done",
     "storage_url",
     "suggest_params",
     "table_rows",
     "trial_experiment",
     "trial_overrides",
+    "trial_record",
     "trial_reporter",
     "trial_spec",
     "worker_name",

@@ -30,7 +30,14 @@ from typing import Any
 
 import yaml
 
-from ragen_core.config import ConfigError, ExperimentConfig, SweepConfig, load_experiment, load_sweep
+from ragen_core.config import (
+    ConfigError,
+    ExperimentConfig,
+    SweepConfig,
+    data_dir,
+    load_experiment,
+    load_sweep,
+)
 
 __all__ = [
     "BASE_PARAM",
@@ -278,6 +285,11 @@ class SweepPlan:
         if self.sweep.knobs:
             return list(self.sweep.knobs)
         return [k for k in (*self.sweep.space,) if k != BASE_PARAM] or [BASE_PARAM]
+
+    @property
+    def out_dir(self) -> Path:
+        """The sweep's own folder: results table, study report, the parent run's outbox."""
+        return data_dir() / "sweeps" / self.sweep.name
 
 
 def plan_sweep(path: str | Path, overrides: Sequence[str] = ()) -> SweepPlan:

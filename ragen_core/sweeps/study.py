@@ -3,8 +3,8 @@ when a worker should stop.
 
     from ragen_core.sweeps.study import open_study, trial_spec, trial_reporter
     study = open_study(sweep, grid, storage_url(sweep))          # created, or resumed if it exists
-    spec = trial_spec(sweep, storage_url(sweep), trial._trial_id)  # the ``trial`` dict of flows.train.train
-    report = trial_reporter(spec)                                   # called by the train flow per evaluation
+    spec = trial_spec(sweep, storage_url(sweep), trial.number)  # the ``trial`` dict of flows.train.train
+    report = trial_reporter(spec)                                 # called by the train flow per evaluation
 
 Storage is any SQLAlchemy URL (``sqlite:///$RAGEN_DATA_DIR/optuna.db`` by default; PostgreSQL
 for workers on several machines). A heartbeat marks a trial FAIL when its worker goes silent
@@ -14,7 +14,10 @@ for ``heartbeat_seconds``; Optuna's retry callback then queues the same paramete
 Why the reporter opens the storage itself: the trial may run as a Prefect deployment run on
 another machine, so everything it reports (intermediate values, the curve, per-env success,
 cost, the MLflow run id, "pruned") goes through the shared storage, and the objective reads
-it back from there. Why ``remaining_trials`` and ``duplicate_of``: Optuna's GridSampler gives
+it back from there. Optuna has no public handle on a running trial for another process (``Trial(study,
+id)`` is internal), so the reporter names the trial by study name and number and writes through the
+documented methods of a storage it opens itself; the pruning decision is the study's own
+``pruner.prune(study, trial)``. Why ``remaining_trials`` and ``duplicate_of``: Optuna's GridSampler gives
 trial number i grid point i (race-free), but once the first pass is over (a retry, a resumed
 study) two workers can pick the same point; a trial whose point another trial already ran
 or is running is skipped, so each point runs to completion exactly once.
@@ -48,6 +51,7 @@ __all__ = [
     "dashboard_command",
     "duplicate_of",
     "fail_stale",
+    "finished_count",
     "make_pruner",
     "make_sampler",
     "open_storage",
@@ -56,8 +60,10 @@ __all__ = [
     "remaining_trials",
     "requeue_interrupted",
     "running_trials",
+    "settle",
     "stop_when_done",
     "storage_url",
+    "trial_record",
     "trial_reporter",
     "trial_spec",
     "worker_name",
@@ -172,9 +178,9 @@ def open_study(sweep: SweepConfig, grid: Mapping[str, Sequence[Any]] | None, url
     return study
 
 
-def trial_spec(sweep: SweepConfig, url: str, trial_id: int) -> dict[str, Any]:
+def trial_spec(sweep: SweepConfig, url: str, number: int) -> dict[str, Any]:
     """The ``trial`` argument of flows.train.train: plain JSON, so it travels to a deployment run."""
-    return {"storage": url, "study_name": sweep.name, "trial_id": int(trial_id), "metric": sweep.metric,
+    return {"storage": url, "study_name": sweep.name, "trial_number": int(number), "metric": sweep.metric,
             "pruner": sweep.pruner, "pruner_startup_trials": sweep.pruner_startup_trials,
             "pruner_warmup": sweep.pruner_warmup}
 
@@ -188,9 +194,10 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
     import optuna
 
     storage = open_storage(str(spec["storage"]))  # no heartbeat here: the worker running the objective beats
-    study = optuna.load_study(study_name=str(spec["study_name"]), storage=storage,
+    name, number = str(spec["study_name"]), int(spec["trial_number"])
+    study = optuna.load_study(study_name=name, storage=storage,
                               pruner=make_pruner(str(spec["pruner"]), int(spec["pruner_startup_trials"])))
-    trial = optuna.trial.Trial(study, int(spec["trial_id"]))
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(name), number)
     metric, warmup = str(spec["metric"]), int(spec["pruner_warmup"])
     single = len(study.directions) == 1  # Optuna has no intermediate values for several objectives
     curve: list[list[float]] = []
@@ -207,16 +214,18 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
         cost["wall_seconds"] = round(time.monotonic() - started, 3)  # this process's share (a resumed run: since resume)
         for key, attr in (("run_dir", str(sess.run_dir)), ("curve", curve), ("val", per_env), ("cost", cost),
                           ("mlflow_run_id", sess.logger.run_id)):
-            trial.set_user_attr(key, attr)
+            storage.set_trial_user_attr(trial_id, key, attr)
         if sess.stop_reason and sess.stop_reason.startswith(HEALTH_STOP):  # a health rule ended the run
-            trial.set_user_attr("health_stop", sess.stop_reason)
+            storage.set_trial_user_attr(trial_id, "health_stop", sess.stop_reason)
         if not single:
             return
-        trial.report(value, step)
-        if spec["pruner"] != "none" and len(curve) > warmup and trial.should_prune():
-            trial.set_user_attr("pruned_at", step)
+        if step not in storage.get_trial(trial_id).intermediate_values:  # as Trial.report: the first value stays
+            storage.set_trial_intermediate_value(trial_id, step, value)
+        if (spec["pruner"] != "none" and len(curve) > warmup
+                and study.pruner.prune(study, storage.get_trial(trial_id))):
+            storage.set_trial_user_attr(trial_id, "pruned_at", step)
             sess.stop_reason = PRUNED_REASON
-            sess.say(f"[sweep] trial {trial.number}: {metric} {value:.3f} at iteration {step} is below the "
+            sess.say(f"[sweep] trial {number}: {metric} {value:.3f} at iteration {step} is below the "
                      "median of earlier trials; pruned")
 
     return report
@@ -256,21 +265,28 @@ def running_trials(study: optuna.Study) -> list[int]:
     return [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
 
 
-def duplicate_of(study: optuna.Study, trial_id: int) -> int | None:
-    """The number of another trial of the same grid point that wins over this one, if any.
+def trial_record(study: optuna.Study, number: int) -> optuna.trial.FrozenTrial:
+    """Trial ``number`` as stored now: what other processes (the trial's reporter, a retry callback)
+    wrote to it included, which a live ``Trial`` object does not see."""
+    return next(t for t in study.get_trials(deepcopy=False) if t.number == number)
 
-    A finished (COMPLETE/PRUNED) one always wins; a running or queued one wins when it is older.
+
+def duplicate_of(study: optuna.Study, number: int) -> int | None:
+    """The number of another trial of the same grid point that wins over trial ``number``, if any.
+
+    A finished (COMPLETE/PRUNED) one always wins; a running or queued one wins when it is older
+    (numbers are unique in a study and grow with age).
     """
     trials = study.get_trials(deepcopy=False)
-    me = next(t for t in trials if t._trial_id == trial_id)
+    me = next(t for t in trials if t.number == number)
     gid, space = me.system_attrs.get("grid_id"), me.system_attrs.get("search_space")
     if gid is None:
         return None
     for t in trials:
-        if t._trial_id == trial_id or t.system_attrs.get("grid_id") != gid or t.system_attrs.get("search_space") != space:
+        if t.number == number or t.system_attrs.get("grid_id") != gid or t.system_attrs.get("search_space") != space:
             continue
         finished = t.state.name in ("COMPLETE", "PRUNED")
-        if finished or (_live(t) and (t.number, t._trial_id) < (me.number, me._trial_id)):
+        if finished or (_live(t) and t.number < number):
             return t.number
     return None
 
@@ -282,6 +298,22 @@ def fail_stale(study: optuna.Study) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+
+
+def finished_count(study: optuna.Study) -> int:
+    """Trials in a final state (COMPLETE, PRUNED, FAIL): a round of trials made progress when this grew."""
+    return sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
+
+
+def settle(study: optuna.Study, poll_seconds: float = 2.0, say: Callable[[str], None] = print) -> None:
+    """Wait until no trial is RUNNING: live workers finish theirs, lost workers' trials go FAIL by heartbeat."""
+    announced: set[int] = set()
+    while running := running_trials(study):
+        if set(running) - announced:
+            say(f"[sweep] waiting for running trials {running} (finished, or failed when their heartbeat stops)")
+            announced |= set(running)
+        fail_stale(study)
+        time.sleep(poll_seconds)
 
 
 def stop_when_done(

@@ -11,9 +11,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.compare import compare
 from flows.train import train
-from ragen_core.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "experiments" / "smoke.yaml")

@@ -177,7 +177,7 @@ def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_di
     assert params["experiment"] == "experiments/smoke.yaml"  # relative: the worker runs in its own checkout
     assert params["overrides"] == ["trainer.online_k=2"] and params["parent_run_id"] == "parent-id"
     assert params["tags"] == {"study": "pool", "trial": "0"} and params["run_name"].startswith("pool-t000-")
-    assert params["trial"] == {"storage": url, "study_name": "pool", "trial_id": study.trials[0]._trial_id,
+    assert params["trial"] == {"storage": url, "study_name": "pool", "trial_number": 0,
                                "metric": "val/success", "pruner": "none", "pruner_startup_trials": 5,
                                "pruner_warmup": 1}
     json.dumps(params)  # deployment parameters must be plain JSON

@@ -267,29 +267,26 @@ def test_duplicate_of_keeps_one_run_per_grid_point() -> None:
     study = grid_study()
     first = study.ask()
     first.suggest_categorical("k", [1, 2, 3])
-    storage, sid = study._storage, study._study_id
-    attrs = storage.get_trial_system_attrs(first._trial_id)
+    point = {key: study.trials[0].system_attrs[key] for key in ("grid_id", "search_space")}
 
     def same_point() -> int:  # a later trial given the same grid point (as a race would)
-        tid = storage.create_new_trial(sid)
-        for key in ("grid_id", "search_space"):
-            storage.set_trial_system_attr(tid, key, attrs[key])
-        return tid
+        study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, system_attrs=point))
+        return study.trials[-1].number
 
     second = same_point()
-    assert duplicate_of(study, first._trial_id) is None  # the older running trial goes on
+    assert duplicate_of(study, first.number) is None  # the older running trial goes on
     assert duplicate_of(study, second) == 0  # the younger one steps aside
     study.tell(first, state=optuna.trial.TrialState.FAIL)
     assert duplicate_of(study, second) is None  # the old one failed: this one is the retry
     third = same_point()
-    storage.set_trial_state_values(second, optuna.trial.TrialState.COMPLETE, [0.3])
+    study.tell(second, 0.3)
     assert duplicate_of(study, third) == 1  # a finished run of the point always wins
 
 
 def test_cli_refuses_a_bad_grid_point_before_training(base: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from ragen_core.cli import app
+    from flows.cli import app
 
     result = CliRunner().invoke(app, ["sweep", str(sweep_file(tmp_path, "knobs: {responses_per_prompt: [4, 3]}\n"))])
     assert result.exit_code == 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ragen_core.cli import app
+from flows.cli import app
 
 runner = CliRunner()
 SUBCOMMANDS = [["train"], ["eval"], ["sweep"], ["compare"], ["envs"], ["play"], ["demo"],

@@ -9,7 +9,8 @@
 
 Heavy modules (torch, prefect, mlflow) are imported inside the commands so `--help`
 is instant. A bad configuration exits with status 2 before anything is written.
-The flows live in the top-level ``flows`` package; this module only calls them.
+The command sits at the edge beside the flows it calls; the library (``ragen_core``) never
+imports it (tests/unit/test_layering.py). Tests: tests/unit/test_cli.py.
 """
 
 from __future__ import annotations
@@ -118,6 +119,18 @@ def study(
     from flows.sweep import sweep as sweep_flow
 
     print(sweep_flow(sweep_file=str(study_file), workers=workers, overrides=list(set_ or [])))
+
+
+@app.command("sweep-worker", hidden=True)
+def sweep_worker(
+    sweep_file: Annotated[Path, typer.Argument(help="sweep YAML")],
+    parent_run_id: Annotated[str | None, typer.Option(help="MLflow parent run to nest the trials under")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """One worker process of `ragen sweep --workers N` (started by the sweep): trials until none is left."""
+    from flows.sweep import worker
+
+    worker(str(sweep_file), list(set_ or []), parent_run_id)
 
 
 @app.command()
