@@ -38,7 +38,7 @@ holds the texts the renderer needs to re-render a head (``instruction``, ``user_
 ``instruction`` (the instruction block), ``user_texts`` (one user message per turn),
 ``named_actions`` / ``unknown_actions`` (counts per turn), ``context_overflow``.
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_loop.py -q``.
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_loop.py -q``.
 """
 
 from __future__ import annotations
