@@ -47,7 +47,7 @@ def main() -> None:
             t2 = time.perf_counter()
             diag = session.diagnose(sess, rollouts) if session.collapse_due(sess) else None
             t3 = time.perf_counter()
-            selection = session.select_groups(sess, rollouts)
+            selection = session.tokenize_and_filter(sess, rollouts)
             t4 = time.perf_counter()
             stats = session.update_policy(sess, selection)
             t5 = time.perf_counter()

@@ -8,7 +8,7 @@
     run_to_end(sess)     # per iteration: (evaluate) -> rollout -> filter -> update -> log -> (checkpoint)
     finish(sess)
 
-Each step is its own function (evaluate_policy, collect_rollouts, diagnose, select_groups, update_policy,
+Each step is its own function (evaluate_policy, collect_rollouts, diagnose, tokenize_and_filter, update_policy,
 record_iteration, save_run_checkpoint, record_final_eval) so the flow can make each a task. Nothing here imports
 Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7). Where a run keeps its files (config,
 history, checkpoints, shards) is :class:`ragen_core.store.run_dir.RunDir`'s business (``sess.folder``).
@@ -214,8 +214,11 @@ def train_seeds(counter: int, n: int) -> list[int]:
     return list(range(TRAIN_SEED_OFFSET + counter, TRAIN_SEED_OFFSET + counter + n))
 
 
-def select_groups(sess: Session, rollouts: RolloutBatch) -> Selection:
-    """StarPO-S uncertainty filter over whole prompt groups (SPEC §4); 'none' keeps all."""
+def tokenize_and_filter(sess: Session, rollouts: RolloutBatch) -> Selection:
+    """The rollouts as training rows (a TokenBatch), then the StarPO-S filter over whole prompt groups (SPEC §4).
+
+    'none' keeps all groups. (Not ``algos.filtering.select_groups``, which picks group indices from scores.)
+    """
     from ragen_core.rollout.batch import build_token_batch
     from ragen_core.trainer import filter_batch
 
@@ -229,6 +232,11 @@ def select_groups(sess: Session, rollouts: RolloutBatch) -> Selection:
         kept[r] = True
     think = [float(sum(t.think_tokens for t in trajs[r].turns)) for r in rows]
     return Selection(result.batch, kept, result.metrics, think, result.advantage_scale)
+
+
+select_groups = tokenize_and_filter
+"""Deprecated alias of :func:`tokenize_and_filter` (issue 17: the old name hid the tokenising and shadowed
+``algos.filtering.select_groups``); kept until tasks/train_steps.py calls the new name."""
 
 
 def update_policy(sess: Session, selection: Selection) -> UpdateStats:
@@ -400,7 +408,7 @@ def run_iteration(sess: Session) -> dict[str, float]:
     val = evaluate_policy(sess) if eval_due(sess) else None
     rollouts = collect_rollouts(sess)
     diagnostics = diagnose(sess, rollouts) if collapse_due(sess) else None  # the policy that sampled them
-    selection = select_groups(sess, rollouts)
+    selection = tokenize_and_filter(sess, rollouts)
     stats = update_policy(sess, selection)
     metrics = record_iteration(sess, rollouts, selection, stats, val, diagnostics)
     if checkpoint_due(sess):
