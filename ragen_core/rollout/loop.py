@@ -34,9 +34,9 @@ episodes). Per reply (SPEC §3):
 Each Turn stores its prompt delta and the exact sampled ids and log-probs, and ``Trajectory.meta``
 holds the texts the renderer needs to re-render a head (``instruction``, ``user_texts``), so
 ``batch.build_token_batch`` rebuilds the training row exactly, also after a Parquet round trip.
-``meta`` keys: ``env_name``, ``member`` (index in the group), ``dynamics_seed``, ``system_prompt``, ``prefill``,
-``instruction`` (the instruction block), ``user_texts`` (one user message per turn),
-``named_actions`` / ``unknown_actions`` (counts per turn), ``context_overflow``.
+``meta`` keys (:class:`ragen_core.types.TrajectoryMeta`): ``env_name``, ``member`` (index in the group),
+``dynamics_seed``, ``system_prompt``, ``prefill``, ``instruction`` (the instruction block), ``user_texts``
+(one user message per turn), ``named_actions`` / ``unknown_actions`` (counts per turn), ``context_overflow``.
 
 Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_loop.py -q``.
 """
@@ -46,7 +46,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -54,7 +54,7 @@ from ragen_core.rollout.chat import ChatRenderer, RenderedSequence
 from ragen_core.rollout.context import HeadCache, render_dialogue
 from ragen_core.rollout.parse import match_actions, parse_response
 from ragen_core.rollout.prompts import first_user_text, instruction_block, make_renderer, turn_text
-from ragen_core.types import Trajectory, Turn
+from ragen_core.types import Trajectory, TrajectoryMeta, Turn
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -278,7 +278,7 @@ def _end_sessions(generator: Generator, ended: Sequence[_Episode]) -> None:
 
 
 def _finish(ep: _Episode, env_cfg: EnvConfig, cfg: RolloutConfig, prefill: str) -> Trajectory:
-    meta: dict[str, Any] = {
+    meta: TrajectoryMeta = {
         "env_name": env_cfg.name,
         "member": ep.member,
         "dynamics_seed": dynamics_seed(cfg, ep.member),
