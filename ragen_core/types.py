@@ -143,6 +143,7 @@ class TokenBatch:
 
     def select(self, rows: torch.Tensor | list[int]) -> TokenBatch:
         """A new batch with only ``rows`` (used for mini-batches and filtering)."""
+        # lazily: types.py stays torch-free for env-only users (see the TYPE_CHECKING import)
         import torch
 
         idx = torch.as_tensor(rows, dtype=torch.long)

@@ -50,8 +50,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ragen_core.envs import make
 from ragen_core.rollout.chat import ChatRenderer, RenderedSequence
 from ragen_core.rollout.context import HeadCache, render_dialogue
+from ragen_core.rollout.generators.base import SamplingParams
 from ragen_core.rollout.parse import match_actions, parse_response
 from ragen_core.rollout.prompts import first_user_text, instruction_block, make_renderer, turn_text
 from ragen_core.types import Trajectory, TrajectoryMeta, Turn
@@ -135,8 +137,6 @@ def run_rollouts(
     from it, so give each iteration its own, e.g. ``trainer.seed * 100_003 + iteration``);
     ``model_max_length`` (``model.config.max_position_embeddings``) feeds :func:`context_limit`.
     """
-    from ragen_core.rollout.generators.base import SamplingParams
-
     if n_per_group < 1:
         raise ValueError(f"n_per_group must be >= 1, got {n_per_group}")
     renderer = renderer or make_renderer(tokenizer, rollout_cfg)
@@ -176,8 +176,6 @@ def run_rollouts(
 
 def episode_env(env_cfg: EnvConfig, cfg: RolloutConfig) -> TextEnv:
     """A fresh env for one episode, its step limit following ``max_actions_per_episode`` (module docstring)."""
-    from ragen_core.envs import make
-
     env = make(env_cfg.name, **dict(env_cfg.params))
     if env.budget_from_rollout and "max_steps" not in env_cfg.params:
         env.max_steps = cfg.max_actions_per_episode
