@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from ragen_core import session as s
+from ragen_core import session
 from ragen_core.config import load_experiment
 from ragen_core.tracking import NullLogger
 
@@ -37,21 +37,21 @@ def main() -> None:
     seconds: dict[str, float] = defaultdict(float)
     measured: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        sess = s.open_session(cfg, NullLogger(), Path(tmp) / "run", say=lambda line: None)
+        sess = session.open_session(cfg, NullLogger(), Path(tmp) / "run", say=lambda line: None)
         started = time.perf_counter()
         while not sess.done:
             t0 = time.perf_counter()
-            val = s.evaluate_policy(sess) if s.eval_due(sess) else None
+            val = session.evaluate_policy(sess) if session.eval_due(sess) else None
             t1 = time.perf_counter()
-            rollouts = s.collect_rollouts(sess)
+            rollouts = session.collect_rollouts(sess)
             t2 = time.perf_counter()
-            diag = s.diagnose(sess, rollouts) if s.collapse_due(sess) else None
+            diag = session.diagnose(sess, rollouts) if session.collapse_due(sess) else None
             t3 = time.perf_counter()
-            selection = s.select_groups(sess, rollouts)
+            selection = session.tokenize_and_filter(sess, rollouts)
             t4 = time.perf_counter()
-            stats = s.update_policy(sess, selection)
+            stats = session.update_policy(sess, selection)
             t5 = time.perf_counter()
-            s.record_iteration(sess, rollouts, selection, stats, val, diag)
+            session.record_iteration(sess, rollouts, selection, stats, val, diag)
             t6 = time.perf_counter()
             for key, a, b in (("evaluate", t0, t1), ("rollout", t1, t2), ("diagnostics", t2, t3), ("filter", t3, t4),
                               ("update", t4, t5), ("record", t5, t6)):

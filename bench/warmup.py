@@ -37,7 +37,7 @@ import torch
 from ragen_core.config import ExperimentConfig, load_experiment
 from ragen_core.models import MARKER, load_model, load_tokenizer
 from ragen_core.rollout.parse import parse_response
-from ragen_core.trainer import warmup as W
+from ragen_core.trainer import warmup
 from ragen_core.trainer.collapse import measure_collapse
 from ragen_core.types import Trajectory
 
@@ -60,15 +60,15 @@ def measure(label: str, spec: str, cfg: ExperimentConfig, args: argparse.Namespa
     """Reply statistics over ``--samples`` episodes and template collapse over the MI grid, of model ``spec``."""
     model, tok = load_model(spec), load_tokenizer(spec)
     t0 = time.perf_counter()
-    trajs = W.sample_episodes(model, tok, cfg, args.samples)
+    trajs = warmup.sample_episodes(model, tok, cfg, args.samples)
     sample_s = time.perf_counter() - t0
-    stats = W.reply_stats(model, tok, cfg, trajs)
+    stats = warmup.reply_stats(model, tok, cfg, trajs)
     first = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_turns=1))
-    mi_trajs = W.sample_episodes(model, tok, first, args.mi_states, n_per_group=args.mi_samples, sampling_seed=1)
+    mi_trajs = warmup.sample_episodes(model, tok, first, args.mi_states, n_per_group=args.mi_samples, sampling_seed=1)
     mi = measure_collapse(model, tok, mi_trajs)
     # the same grid with every thought cut as the warm-up cuts it: the base model's own reasoning, all of it
     # (most base replies never close the block, so the plain measure sees only a few short ones)
-    cut_trajs, _ = W.self_distill_dialogues(model, tok, first, args.mi_states, seed_start=0, n_per_group=args.mi_samples)
+    cut_trajs, _ = warmup.self_distill_dialogues(model, tok, first, args.mi_states, seed_start=0, n_per_group=args.mi_samples)
     mi_cut = measure_collapse(model, tok, cut_trajs)
     say(f"{label}: validity {stats['validity']:.3f}, success {stats['success']:.3f}, entropy {stats['entropy']:.3f}, "
         f"think closed {stats['closed_think']:.2f} / {stats['think_tokens']:.1f} tokens ({sample_s:.0f} s to sample)")
@@ -108,11 +108,11 @@ def main() -> None:
 
     tok = load_tokenizer(cfg.model.name)
     before = measure("before", cfg.model.name, cfg, args)
-    random = W.random_policy_stats(cfg.env, cfg.rollout, tok, 256)
+    random = warmup.random_policy_stats(cfg.env, cfg.rollout, tok, 256)
     say(f"random valid actions: success {random['success']:.3f}")
 
     t0 = time.perf_counter()
-    path = W.warmup_model(cfg, force=args.force, progress=say)
+    path = warmup.warmup_model(cfg, force=args.force, progress=say)
     call_s = time.perf_counter() - t0
     marker = json.loads((path / MARKER).read_text())
     say(f"warm-up ({marker['method']}): {marker['seconds']:.0f} s wall ({marker['sample_seconds']:.0f} sampling, "

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ragen_core.tracking.plots import plot_curves
 from ragen_core.tracking.run_history import RunHistory, Series, curve_metrics, success_series
 
 __all__ = [
@@ -165,8 +166,6 @@ def _slug(title: str) -> str:
 
 def write_outputs(runs: Sequence[RunHistory], out_dir: Path, title: str | None = None) -> list[Path]:
     """Write table.md, table.csv, curves.png (all curves) and one PNG per curve into ``out_dir``; returns the paths."""
-    from ragen_core.tracking.plots import plot_curves
-
     if not runs:
         raise ValueError("nothing to compare: no runs")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from ragen_core.config import EnvConfig, ExperimentConfig
+from ragen_core.envs import env_spec
+from ragen_core.rollout.evaluate import evaluate, heldout_seeds
+from ragen_core.rollout.generators import make_generator
 from ragen_core.store.run_dir import RunDir
 
 __all__ = [
@@ -76,8 +79,6 @@ _DEFINING_PARAMS: dict[str, frozenset[str]] = {
 
 
 def _family(name: str) -> str | None:
-    from ragen_core.envs import env_spec
-
     canonical = env_spec(name).name
     return next((fam for fam, members in VARIANT_FAMILIES.items() if canonical in members), None)
 
@@ -163,6 +164,8 @@ def load_policy(cfg: ExperimentConfig, weights: Path) -> tuple[Any, Any]:
     the global RNG states saved with it); a saved model is a full model directory, or a LoRA adapter
     (adapter_config.json) over the base.
     """
+    # Lazily: torch and the model stack only when weights are loaded; `ragen compare` imports this module
+    # (through tasks/eval_steps.py) for its tables and needs neither.
     import torch
 
     from ragen_core.models import load_model, load_tokenizer
@@ -178,7 +181,7 @@ def load_policy(cfg: ExperimentConfig, weights: Path) -> tuple[Any, Any]:
         actor = load_checkpoint(weights, cfg, base=load_model(spec, dtype, device)).models.actor
     else:
         if (weights / "adapter_config.json").is_file():
-            from peft import PeftModel
+            from peft import PeftModel  # lazily: peft is slow to import and only LoRA adapters need it
 
             actor = PeftModel.from_pretrained(load_model(spec, dtype, device), weights)
         else:
@@ -243,9 +246,6 @@ def evaluate_target(
 ) -> EvalReport:
     """Roll out ``envs`` on ``seeds`` held-out seeds (default ``eval.seeds``) x ``eval.samples`` each,
     at the evaluation temperature."""
-    from ragen_core.rollout.evaluate import evaluate, heldout_seeds
-    from ragen_core.rollout.generators import make_generator
-
     ev, n_seeds = cfg.eval, seeds or cfg.eval.seeds
     actor, tokenizer = load_policy(cfg, target.weights)
     max_len = cfg.model.max_length or getattr(actor.config, "max_position_embeddings", None)

@@ -8,7 +8,7 @@
     run_to_end(sess)     # per iteration: (evaluate) -> rollout -> filter -> update -> log -> (checkpoint)
     finish(sess)
 
-Each step is its own function (evaluate_policy, collect_rollouts, diagnose, select_groups, update_policy,
+Each step is its own function (evaluate_policy, collect_rollouts, diagnose, tokenize_and_filter, update_policy,
 record_iteration, save_run_checkpoint, record_final_eval) so the flow can make each a task. Nothing here imports
 Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7). Where a run keeps its files (config,
 history, checkpoints, shards) is :class:`ragen_core.store.run_dir.RunDir`'s business (``sess.folder``).
@@ -24,11 +24,38 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from ragen_core.algos.collapse import MI_ZSCORE_EPS
 from ragen_core.config import ExperimentConfig, load_experiment, to_dict
+from ragen_core.models import load_model, load_tokenizer
+from ragen_core.rollout.batch import build_token_batch
+from ragen_core.rollout.evaluate import evaluate, heldout_seeds
+from ragen_core.rollout.generators import Generator, make_generator
+from ragen_core.rollout.loop import run_rollouts
+from ragen_core.rollout.metrics import rollout_metrics
 from ragen_core.store.run_dir import RunDir
-from ragen_core.types import TokenBatch, Trajectory, UpdateStats
+from ragen_core.tracking import CollapseMonitor, EarlyStopRules, MetricLogger, plot_curves, trajectories_text
+from ragen_core.tracking.early_stop import HEALTH_STOP
+from ragen_core.trainer import (
+    TrainState,
+    filter_batch,
+    init_state,
+    load_checkpoint,
+    save_checkpoint,
+    update,
+)
+from ragen_core.trainer.collapse import measure_collapse, measure_later_turns
+from ragen_core.trainer.warmup import warmup_facts, warmup_model
+
+# RolloutBatch and Selection moved to ragen_core.types (hand-offs between parts); imported here, they stay
+# importable as ragen_core.session.RolloutBatch / .Selection for older callers (tasks/train_steps.py).
+from ragen_core.types import RolloutBatch, Selection, UpdateStats
+
+if TYPE_CHECKING:  # transformers only for the annotation: ragen_core.models loads it when a model is loaded
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("ragen")
 
@@ -39,51 +66,59 @@ CHECKPOINTS_KEPT = 2
 """Older checkpoints are deleted: a full fine-tuning checkpoint of the 135M model is ~2 GB."""
 
 
-class RolloutBatch:
-    """One iteration's trajectories and their metrics (a plain class on purpose: Prefect does not walk it)."""
-
-    def __init__(self, iteration: int, trajectories: list[Trajectory], metrics: dict[str, float]) -> None:
-        self.iteration = iteration
-        self.trajectories = trajectories
-        self.metrics = metrics
-
-
-class Selection:
-    """The rows the group filter kept, as a TokenBatch, plus which trajectories they are."""
-
-    def __init__(self, batch: TokenBatch, kept: list[bool], metrics: dict[str, float], think_tokens: list[float],
-                 advantage_scale: float = 1.0):
-        self.batch = batch
-        self.kept = kept
-        self.metrics = metrics
-        self.think_tokens = think_tokens
-        self.advantage_scale = advantage_scale
-
-
 class Session:
     """The live objects of a run (mutable on purpose: models, generator and counters change).
 
     A plain class, not a dataclass: Prefect walks (and may rebuild) dataclass task arguments.
+    Not a record in ``types.py``: it owns behaviour (``done``, ``folder``) and the run's live objects.
     """
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, tokenizer: Any, state: Any, generator: Any,
-                 logger: Any, monitor: Any, model_max_length: int | None, history: list[dict[str, float]],
-                 rules: Any,
+    cfg: ExperimentConfig
+    run_dir: Path
+    """The run folder (its layout is ``folder``'s business)."""
+    name: str
+    """The run's name: the folder's name."""
+    tokenizer: PreTrainedTokenizerBase
+    state: TrainState
+    """Models, engines (optimizers) and counters: what a checkpoint saves."""
+    generator: Generator
+    """Samples rollouts from the actor; told of new weights after every update."""
+    logger: MetricLogger
+    monitor: CollapseMonitor
+    """Echo Trap monitor (reward std, entropy, grad norm against their baselines)."""
+    rules: EarlyStopRules
+    """RAGEN-2's early stops and template-collapse rules."""
+    collapse_ema: dict[str, float]
+    """EMA of the marginal std per collapse/ scope (RAGEN-2), kept across iterations and checkpoints."""
+    model_max_length: int | None
+    """The context the rollouts must fit (``model.max_length`` or the actor's position limit); None: unknown."""
+    history: list[dict[str, float]]
+    """One row per recorded iteration (and the final evaluation), as in the run's history.jsonl."""
+    stop_reason: str | None
+    """Why the run stops early (a health rule or the Echo Trap monitor); None while it goes on."""
+    say: Callable[[str], None]
+    """Where the one-line messages go (print by default)."""
+    progress: Callable[[str, int, int], None] | None
+    """(step name, done, total) progress callback of rollouts and evaluations; None: silent."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path, tokenizer: PreTrainedTokenizerBase, state: TrainState,
+                 generator: Generator, logger: MetricLogger, monitor: CollapseMonitor, model_max_length: int | None,
+                 history: list[dict[str, float]], rules: EarlyStopRules,
                  say: Callable[[str], None] = print,
                  progress: Callable[[str, int, int], None] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.name = run_dir.name
         self.tokenizer = tokenizer
-        self.state = state  # ragen_core.trainer.TrainState
-        self.generator = generator  # ragen_core.rollout.generators.Generator
-        self.logger = logger  # ragen_core.tracking.MetricLogger
-        self.monitor = monitor  # ragen_core.tracking.CollapseMonitor
-        self.rules = rules  # ragen_core.tracking.EarlyStopRules
-        self.collapse_ema: dict[str, float] = {}  # EMA of the marginal std per collapse/ scope (RAGEN-2)
+        self.state = state
+        self.generator = generator
+        self.logger = logger
+        self.monitor = monitor
+        self.rules = rules
+        self.collapse_ema = {}
         self.model_max_length = model_max_length
         self.history = history
-        self.stop_reason: str | None = None
+        self.stop_reason = None
         self.say = say
         self.progress = progress
 
@@ -118,8 +153,6 @@ def base_model_spec(cfg: ExperimentConfig, say: Callable[[str], None] = print) -
     """The model a run starts from: the configured one, or its cached format-warmed copy (one line says which)."""
     if cfg.model.warmup == "none":
         return cfg.model.name
-    from ragen_core.trainer.warmup import warmup_facts, warmup_model
-
     path = warmup_model(cfg, progress=say)
     facts = warmup_facts(path)
     say(f"starting from the {facts.get('method')} format warm-up of {cfg.model.name} ({facts.get('steps')} steps, "
@@ -129,7 +162,7 @@ def base_model_spec(cfg: ExperimentConfig, say: Callable[[str], None] = print) -
 
 def open_session(
     cfg: ExperimentConfig,
-    logger: Any,
+    logger: MetricLogger,
     run_dir: Path | RunDir | None = None,
     *,
     say: Callable[[str], None] = print,
@@ -139,17 +172,10 @@ def open_session(
 
     Without ``run_dir`` the run gets a new folder named after the experiment and the time.
     """
-    from ragen_core.models import load_model, load_tokenizer
-    from ragen_core.rollout.generators import make_generator
-    from ragen_core.tracking import CollapseMonitor, EarlyStopRules
-    from ragen_core.trainer import init_state, load_checkpoint
-
     folder = RunDir.named(new_run_name(cfg)) if run_dir is None else RunDir(Path(run_dir))
     folder.create()
     model_spec = base_model_spec(cfg, say)
     if model_spec != cfg.model.name:  # the warm-up's facts (method, steps, validity before -> after) as params
-        from ragen_core.trainer.warmup import warmup_facts
-
         logger.log_params({f"warmup.{k}": v for k, v in warmup_facts(Path(model_spec)).items()})
     # A warmed copy is passed as the starting weights, so checkpoints keep the configured model name.
     base = load_model(model_spec) if model_spec != cfg.model.name else None
@@ -187,9 +213,6 @@ def open_session(
 
 def collect_rollouts(sess: Session) -> RolloutBatch:
     """P·k fresh prompt groups × N responses at the training temperature (SPEC §5, Online-k)."""
-    from ragen_core.rollout.loop import run_rollouts
-    from ragen_core.rollout.metrics import rollout_metrics
-
     cfg, state = sess.cfg, sess.state
     n_groups = cfg.prompts_per_rollout
     seeds = train_seeds(state.env_seed_counter, n_groups)
@@ -214,11 +237,11 @@ def train_seeds(counter: int, n: int) -> list[int]:
     return list(range(TRAIN_SEED_OFFSET + counter, TRAIN_SEED_OFFSET + counter + n))
 
 
-def select_groups(sess: Session, rollouts: RolloutBatch) -> Selection:
-    """StarPO-S uncertainty filter over whole prompt groups (SPEC §4); 'none' keeps all."""
-    from ragen_core.rollout.batch import build_token_batch
-    from ragen_core.trainer import filter_batch
+def tokenize_and_filter(sess: Session, rollouts: RolloutBatch) -> Selection:
+    """The rollouts as training rows (a TokenBatch), then the StarPO-S filter over whole prompt groups (SPEC §4).
 
+    'none' keeps all groups. (Not ``algos.filtering.select_groups``, which picks group indices from scores.)
+    """
     trajs = rollouts.trajectories
     full = build_token_batch(trajs, sess.tokenizer, sess.cfg.rollout, sess.model_max_length,
                              reward_placement=sess.cfg.reward_placement)
@@ -231,13 +254,16 @@ def select_groups(sess: Session, rollouts: RolloutBatch) -> Selection:
     return Selection(result.batch, kept, result.metrics, think, result.advantage_scale)
 
 
+select_groups = tokenize_and_filter
+"""Deprecated alias of :func:`tokenize_and_filter` (issue 17: the old name hid the tokenising and shadowed
+``algos.filtering.select_groups``); kept until tasks/train_steps.py calls the new name."""
+
+
 def update_policy(sess: Session, selection: Selection) -> UpdateStats:
     """All optimizer steps of this rollout batch, then fresh weights for the generator.
 
     When the filter kept nothing (no group with signal), the update is skipped and says so.
     """
-    from ragen_core.trainer import update
-
     if selection.batch.batch_size == 0:
         sess.say(f"[filter] iteration {sess.iteration + 1}: no group kept, update skipped")
         sess.state.iteration += 1
@@ -267,10 +293,6 @@ def diagnose(sess: Session, rollouts: RolloutBatch) -> dict[str, float]:
     each on a seeded sample capped by ``diagnostics``; the MI z-score is also normalised by an EMA of
     the marginal std, kept across iterations (and checkpoints) as the reference does.
     """
-    import numpy as np
-
-    from ragen_core.algos.collapse import MI_ZSCORE_EPS
-    from ragen_core.trainer.collapse import measure_collapse, measure_later_turns
 
     d, trajs = sess.cfg.diagnostics, rollouts.trajectories
     rng = np.random.default_rng([sess.cfg.trainer.seed, rollouts.iteration, 7])
@@ -292,8 +314,6 @@ def diagnose(sess: Session, rollouts: RolloutBatch) -> dict[str, float]:
 
 def evaluate_policy(sess: Session, seeds: int | None = None) -> dict[str, float]:
     """Held-out seeds at the evaluation temperature on every eval env (SPEC §5)."""
-    from ragen_core.rollout.evaluate import evaluate, heldout_seeds
-
     ev = sess.cfg.eval
     started = time.perf_counter()
     result = evaluate(sess.cfg.eval_envs, sess.generator, sess.tokenizer, sess.cfg.rollout,
@@ -323,9 +343,6 @@ def checkpoint_due(sess: Session) -> bool:
 def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection, stats: UpdateStats,
                      val: dict[str, float] | None, diagnostics: dict[str, float] | None = None) -> dict[str, float]:
     """Health checks, metrics to the logger, the Parquet shard, readable samples, one summary line."""
-    from ragen_core.tracking import trajectories_text
-    from ragen_core.tracking.early_stop import HEALTH_STOP
-
     cfg, step = sess.cfg, rollouts.iteration
     metrics = {**rollouts.metrics, **selection.metrics, **stats.metrics, **(val or {}), **(diagnostics or {})}
     report = sess.monitor.update(step, metrics.get("rollout/reward_std_all", metrics.get("rollout/reward_std", 0.0)),
@@ -376,8 +393,6 @@ def summary_line(sess: Session, m: dict[str, float]) -> str:
 
 def save_run_checkpoint(sess: Session) -> Path:
     """Atomic checkpoint (models, optimizers, RNGs, counters, monitor); keeps the last few."""
-    from ragen_core.trainer import save_checkpoint
-
     target = sess.folder.checkpoint_path(sess.iteration)
     save_checkpoint(sess.state, target)
     (target / "health.json").write_text(json.dumps({"echo": sess.monitor.state_dict(), "rules": sess.rules.state_dict(),
@@ -400,7 +415,7 @@ def run_iteration(sess: Session) -> dict[str, float]:
     val = evaluate_policy(sess) if eval_due(sess) else None
     rollouts = collect_rollouts(sess)
     diagnostics = diagnose(sess, rollouts) if collapse_due(sess) else None  # the policy that sampled them
-    selection = select_groups(sess, rollouts)
+    selection = tokenize_and_filter(sess, rollouts)
     stats = update_policy(sess, selection)
     metrics = record_iteration(sess, rollouts, selection, stats, val, diagnostics)
     if checkpoint_due(sess):
@@ -446,8 +461,6 @@ CURVES = ("val/success", "rollout/reward_std_all", "actor/entropy", "actor/grad_
 
 def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = True) -> TrainResult:
     """Curves PNG, the final model (or adapter) as artifacts, a summary; closes the logger."""
-    from ragen_core.tracking import plot_curves
-
     series = {k: [(int(r["iteration"]), float(r[k])) for r in sess.history if k in r] for k in CURVES}
     series[f"env/{sess.cfg.env.label}/success"] = [
         (int(r["iteration"]), float(r[f"env/{sess.cfg.env.label}/success"]))

@@ -1,8 +1,10 @@
 """Typed records passed between the parts of ragen_core (STYLE.md rule 4).
 
 Turn and Trajectory are what a rollout produces (plain Python, serialisable to
-Parquet); TokenBatch is what the trainer consumes (tensors, one row per
-trajectory); UpdateStats is what one update reports.
+Parquet; ``Trajectory.meta`` is a :class:`TrajectoryMeta`); TokenBatch is what the
+trainer consumes (tensors, one row per trajectory); UpdateStats is what one update
+reports. One training iteration hands them on as :class:`RolloutBatch` (rollout ->
+filter, diagnostics, record) and :class:`Selection` (filter -> update, record).
 
 Token alignment convention used everywhere: every per-token tensor of a
 TokenBatch is aligned with ``input_ids`` positions. ``old_logprobs[b, t]`` is
@@ -14,7 +16,7 @@ non-zero rewards.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:  # torch is imported lazily so env-only users pay nothing
     import torch
@@ -51,6 +53,35 @@ class Turn:
     """Executed actions that changed the env state."""
 
 
+class TrajectoryMeta(TypedDict, total=False):
+    """What ``rollout.loop`` records next to a trajectory's turns (JSON in the Parquet shard's ``meta_json``).
+
+    Every key is optional to readers: trajectories built by hand (tests) or read from older shards may lack
+    any of them, so readers use ``meta.get(key, default)``.
+    """
+
+    env_name: str
+    """The registered env name (``EnvConfig.name``; ``Trajectory.env_tag`` is its label)."""
+    member: int
+    """Index of this trajectory within its prompt group (0..N-1)."""
+    dynamics_seed: int
+    """The env's ``options={"dynamics_seed": ...}`` at reset (its own luck within the group)."""
+    system_prompt: str
+    """The system prompt the trajectory was rendered with."""
+    prefill: str
+    """The tag prefilled at the start of every assistant message ('' when none); part of the prompt."""
+    instruction: str
+    """The instruction block of the first user message (to re-render the head exactly)."""
+    user_texts: list[str]
+    """One user message per turn, as rendered (the first without the instruction block)."""
+    named_actions: list[int]
+    """Per turn: how many actions the reply named."""
+    unknown_actions: list[int]
+    """Per turn: how many of those the env did not recognise (or rejected)."""
+    context_overflow: bool
+    """True when even the instruction and the newest turn no longer fitted the context (episode truncated)."""
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """A whole episode: the unit StarPO optimises (SPEC §1)."""
@@ -66,7 +97,8 @@ class Trajectory:
     """The episode was cut by a turn or action budget (gymnasium meaning)."""
     dropped_turns: int = 0
     """Older turns removed by the context guard when building the training sequence."""
-    meta: dict = field(default_factory=dict)
+    meta: TrajectoryMeta = field(default_factory=TrajectoryMeta)
+    """Rendering and diagnostic facts of the rollout (see :class:`TrajectoryMeta`)."""
 
     @property
     def env_return(self) -> float:
@@ -111,6 +143,7 @@ class TokenBatch:
 
     def select(self, rows: torch.Tensor | list[int]) -> TokenBatch:
         """A new batch with only ``rows`` (used for mini-batches and filtering)."""
+        # lazily: types.py stays torch-free for env-only users (see the TYPE_CHECKING import)
         import torch
 
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -132,3 +165,47 @@ class UpdateStats:
     metrics: dict[str, float]
     """Namespaced metric name (actor/..., critic/..., response/..., timing/..., perf/...) -> value."""
     optimizer_steps: int = 0
+
+
+class RolloutBatch:
+    """One iteration's trajectories and their metrics: the rollout step's output.
+
+    A plain class on purpose, like :class:`Selection`: Prefect walks (and may rebuild) dataclass task
+    arguments, and these travel between Prefect tasks.
+    """
+
+    iteration: int
+    """The iteration that sampled them (the policy after ``iteration`` updates)."""
+    trajectories: list[Trajectory]
+    """P·k prompt groups × N responses, group by group (``group_id`` says which)."""
+    metrics: dict[str, float]
+    """Rollout metrics (env/, rollout/, response/, timing/, perf/)."""
+
+    def __init__(self, iteration: int, trajectories: list[Trajectory], metrics: dict[str, float]) -> None:
+        self.iteration = iteration
+        self.trajectories = trajectories
+        self.metrics = metrics
+
+
+class Selection:
+    """The rows the group filter kept, as a TokenBatch, and which trajectories they are: the update's input."""
+
+    batch: TokenBatch
+    """The kept trajectories' training rows: B = kept rows (0 when no group was kept), group by group in
+    ascending group id, rollout order within a group (``trainer.filter.FilterResult.batch``)."""
+    kept: list[bool]
+    """[len(trajectories)] one flag per trajectory of the RolloutBatch: True when its row is in ``batch``."""
+    metrics: dict[str, float]
+    """The filter's metrics (rollout/: kept groups, reward std of all and of the kept ones, ...)."""
+    think_tokens: list[float]
+    """[B] ``<think>`` tokens of each kept row, summed over its turns (for the response/ metrics)."""
+    advantage_scale: float
+    """Multiplies the advantages of this update (the filter's ``advantage_scale``; 1.0 = unchanged)."""
+
+    def __init__(self, batch: TokenBatch, kept: list[bool], metrics: dict[str, float],
+                 think_tokens: list[float], advantage_scale: float = 1.0) -> None:
+        self.batch = batch
+        self.kept = kept
+        self.metrics = metrics
+        self.think_tokens = think_tokens
+        self.advantage_scale = advantage_scale

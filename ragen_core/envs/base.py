@@ -9,7 +9,7 @@ Every env is a ``gymnasium.Env[str, str]``::
 Env code knows nothing about tokens or prompts: ``instruction`` is plain rules text,
 ``legend`` maps grid symbols to their meaning, and the rollout layer turns them into a prompt.
 
-Contract shared by all envs (checked by tests/unit/envs/test_conformance.py):
+Contract shared by all envs (checked by tests/unit/envs/test_envs_conformance.py):
 
 * ``info`` always holds ``success`` (bool), ``action_is_effective`` (bool: the game state
   changed), ``invalid_action`` (bool), ``action`` (the canonical action or None) and

@@ -62,6 +62,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     tiny-random is built in-process; every other spec is resolved (and provisioned) to a
     local directory and loaded from its safetensors.
     """
+    # lazily: transformers takes seconds to import and only model code paths need it
     from transformers import AutoModelForCausalLM
 
     if torch.device(device).type == "cpu" and not torch.cuda.is_available():

@@ -135,6 +135,7 @@ def _tiny_tokenizer_json() -> str:
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A fresh tiny tokenizer (callers may change ``padding_side`` and the like freely)."""
+    # lazily: transformers takes seconds to import and only model code paths need it
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -150,6 +151,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _tiny_model(seed: int, vocab_size: int, ids: dict[str, int]) -> PreTrainedModel:
+    # lazily: transformers takes seconds to import and only model code paths need it
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

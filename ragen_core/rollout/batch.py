@@ -25,7 +25,7 @@ Context guard: ``max_length`` caps a row; the oldest turns go first (``context.p
 from the turns the rollout already dropped (``Trajectory.dropped_turns``). A row that does not fit
 even with only its last turn is cut from the left (mask alignment kept); nothing raises.
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_batch.py -q``.
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_batch.py -q``.
 """
 
 from __future__ import annotations

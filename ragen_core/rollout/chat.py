@@ -32,7 +32,7 @@ rendered here as it was sampled, never rewritten; the sequence stays exactly wha
 :func:`assemble` lays out a context or training row as spans and records which spans the model
 generated: the loss mask is derived from those spans, never from token values.
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_chat.py -q`` (tiny model) and
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_chat.py -q`` (tiny model) and
 ``-m slow tests/integration/test_masks_default_model.py`` (SmolLM2's template).
 """
 

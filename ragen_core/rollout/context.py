@@ -16,7 +16,7 @@ ITS turn, which may have held older turns that the final row drops; its ``old_lo
 then the rollout's, under that longer context. With no window and no overflow every context is a
 prefix of the next and the row is exact.
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_context.py -q``.
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_context.py -q``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ training). ``success`` is the mean over all trajectories (pass@1 estimated with 
 ``pass@N`` is the share of seeds where any of the N succeeded. Sampling is seeded
 (``sampling_seed``), so evaluating the same weights twice gives the same numbers.
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_evaluate.py -q``.
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_metrics.py -q``.
 """
 
 from __future__ import annotations

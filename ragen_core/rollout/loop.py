@@ -34,11 +34,11 @@ episodes). Per reply (SPEC §3):
 Each Turn stores its prompt delta and the exact sampled ids and log-probs, and ``Trajectory.meta``
 holds the texts the renderer needs to re-render a head (``instruction``, ``user_texts``), so
 ``batch.build_token_batch`` rebuilds the training row exactly, also after a Parquet round trip.
-``meta`` keys: ``env_name``, ``member`` (index in the group), ``dynamics_seed``, ``system_prompt``, ``prefill``,
-``instruction`` (the instruction block), ``user_texts`` (one user message per turn),
-``named_actions`` / ``unknown_actions`` (counts per turn), ``context_overflow``.
+``meta`` keys (:class:`ragen_core.types.TrajectoryMeta`): ``env_name``, ``member`` (index in the group),
+``dynamics_seed``, ``system_prompt``, ``prefill``, ``instruction`` (the instruction block), ``user_texts``
+(one user message per turn), ``named_actions`` / ``unknown_actions`` (counts per turn), ``context_overflow``.
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_loop.py -q``.
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_loop.py -q``.
 """
 
 from __future__ import annotations
@@ -46,15 +46,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ragen_core.envs import make
 from ragen_core.rollout.chat import ChatRenderer, RenderedSequence
 from ragen_core.rollout.context import HeadCache, render_dialogue
+from ragen_core.rollout.generators.base import SamplingParams
 from ragen_core.rollout.parse import match_actions, parse_response
 from ragen_core.rollout.prompts import first_user_text, instruction_block, make_renderer, turn_text
-from ragen_core.types import Trajectory, Turn
+from ragen_core.types import Trajectory, TrajectoryMeta, Turn
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -135,8 +137,6 @@ def run_rollouts(
     from it, so give each iteration its own, e.g. ``trainer.seed * 100_003 + iteration``);
     ``model_max_length`` (``model.config.max_position_embeddings``) feeds :func:`context_limit`.
     """
-    from ragen_core.rollout.generators.base import SamplingParams
-
     if n_per_group < 1:
         raise ValueError(f"n_per_group must be >= 1, got {n_per_group}")
     renderer = renderer or make_renderer(tokenizer, rollout_cfg)
@@ -176,8 +176,6 @@ def run_rollouts(
 
 def episode_env(env_cfg: EnvConfig, cfg: RolloutConfig) -> TextEnv:
     """A fresh env for one episode, its step limit following ``max_actions_per_episode`` (module docstring)."""
-    from ragen_core.envs import make
-
     env = make(env_cfg.name, **dict(env_cfg.params))
     if env.budget_from_rollout and "max_steps" not in env_cfg.params:
         env.max_steps = cfg.max_actions_per_episode
@@ -278,7 +276,7 @@ def _end_sessions(generator: Generator, ended: Sequence[_Episode]) -> None:
 
 
 def _finish(ep: _Episode, env_cfg: EnvConfig, cfg: RolloutConfig, prefill: str) -> Trajectory:
-    meta: dict[str, Any] = {
+    meta: TrajectoryMeta = {
         "env_name": env_cfg.name,
         "member": ep.member,
         "dynamics_seed": dynamics_seed(cfg, ep.member),

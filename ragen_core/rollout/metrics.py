@@ -14,7 +14,7 @@ return, unbiased as in the StarPO-S filter, averaged over groups of 2 or more),
 ``response/length_mean`` and ``response/think_length_mean`` (tokens per reply),
 ``response/clip_ratio`` (replies cut at max_new_tokens).
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_metrics.py -q``.
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_metrics.py -q``.
 """
 
 from __future__ import annotations

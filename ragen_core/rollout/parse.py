@@ -21,7 +21,7 @@ Rules, in order:
 The parser does not know an env's action names: whether an action exists is decided by the
 rollout loop with ``env.match_action`` (case-insensitive), see :func:`match_actions`.
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_parse.py -q``.
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_parse.py -q``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ turn adds one user message ``turn_text(...)``, which starts with the previous tu
     block = instruction_block(env.instruction, env.legend, env.action_names, max_actions_per_turn=5)
     text = turn_text(0, obs, actions_left=10, think=True, max_new_tokens=128)
 
-Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_prompts.py -q``.
+Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_prompts.py -q``.
 """
 
 from __future__ import annotations

@@ -215,6 +215,7 @@ def _empty_frame() -> pd.DataFrame:
 
 def read_trajectories(source: str | os.PathLike[str] | pd.DataFrame) -> list[Trajectory]:
     """Trajectories back from a DataFrame of ``read_run``/``read_shard``, a shard file or a run directory."""
+    # lazily: pandas is slow to import and only DataFrame input needs it
     import pandas as pd
 
     if isinstance(source, pd.DataFrame):

@@ -51,12 +51,14 @@ class FetchedRun:
 
 
 def _client(uri: str) -> MlflowClient:
+    # lazily: importing ragen_core.tracking must not load mlflow (test_tracking_logger.py checks)
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
 
 
 def _by_id(client: MlflowClient, ref: str) -> Run | None:
+    # lazily: importing ragen_core.tracking must not load mlflow (test_tracking_logger.py checks)
     from mlflow.exceptions import MlflowException
 
     try:
@@ -171,6 +173,7 @@ def run_id_of(run_dir: Path) -> str | None:
 def log_onto_run(uri: str, run_id: str, metrics: dict[str, float], step: int, files: Sequence[Path],
                  artifact_path: str | None = None) -> None:
     """Add metrics (at ``step``) and files to an existing run without touching its status or other data."""
+    # lazily: importing ragen_core.tracking must not load mlflow (test_tracking_logger.py checks)
     from mlflow.entities import Metric
 
     check_metric_names(metrics)

@@ -296,6 +296,7 @@ class MLflowLogger:
 
     def _send(self, entries: list[dict[str, Any]]) -> None:
         """Deliver ``entries`` (one non-batchable entry, or a run of batchable ones fitting one call)."""
+        # lazily: importing ragen_core.tracking must not load mlflow (test_tracking_logger.py checks)
         from mlflow.entities import Metric, Param, RunTag
 
         client, run_id = self._client, self._run_id
@@ -391,6 +392,7 @@ def _batch_length(entries: list[dict[str, Any]], start: int) -> int:
 
 
 def _make_client(tracking_uri: str) -> MlflowClient:
+    # lazily: importing ragen_core.tracking must not load mlflow (test_tracking_logger.py checks)
     from mlflow import MlflowClient
 
     if tracking_uri.startswith("sqlite:///"):

@@ -32,6 +32,7 @@ def plot_curves(
     spread over seeds).
     Returns ``out_path``.
     """
+    # lazily: matplotlib is slow to import and only plotting needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -41,6 +42,7 @@ def plot_curves(
     nrows = math.ceil(len(metrics) / ncols)
     fig = Figure(figsize=(5.5 * ncols, 3.4 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
+    # lazily: matplotlib is slow to import and only plotting needs it
     from matplotlib.ticker import MaxNLocator
 
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()

@@ -172,6 +172,7 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], rea
 
 def _prefill(decoder: torch.nn.Module, x: torch.Tensor) -> tuple[object, torch.Tensor]:
     """One prompt pass: its KV cache and its last hidden state (which predicts z's first token). x: [1, P]."""
+    # lazily: transformers takes seconds to import and only model code paths need it
     from transformers import DynamicCache
 
     cache = DynamicCache()

@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from ragen_core.config import ConfigError, ExperimentConfig
+from ragen_core.trainer.engine import learning_rates, trainable_parameters
 from ragen_core.trainer.models import PolicyModels
 
 __all__ = ["DeepSpeedEngine", "deepspeed_engines", "init_distributed"]
@@ -96,6 +97,7 @@ def init_distributed(device: torch.device) -> None:
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
+        # lazily: deepspeed is the optional [gpu] extra and slow to import
         import deepspeed
         from deepspeed.accelerator import get_accelerator
     except ImportError as e:
@@ -127,6 +129,7 @@ class DeepSpeedEngine:
     def __init__(self, modules: dict[str, nn.Module], param_groups: list[dict[str, Any]],
                  betas: tuple[float, float], weight_decay: float, grad_clip: float, zero_stage: int,
                  micro_batch_size: int, extra_config: dict[str, Any] | None = None) -> None:
+        # lazily: deepspeed is the optional [gpu] extra and slow to import
         import deepspeed
 
         if zero_stage not in (0, 1, 2, 3):
@@ -178,6 +181,7 @@ class DeepSpeedEngine:
         :meth:`load_state_dict`). Other stages keep whole parameters: nothing to do."""
         if self.zero_stage < 3:
             return contextlib.nullcontext()
+        # lazily: deepspeed is the optional [gpu] extra and slow to import
         from deepspeed.runtime.zero import GatheredParameters
 
         return GatheredParameters(list(self.engine.module.parameters()), modifier_rank=0 if modify else None)
@@ -201,6 +205,7 @@ class DeepSpeedEngine:
         """``{"optimizer": torch AdamW state_dict of the unflattened parameters, "skipped": n}`` (TorchEngine's layout)."""
         if self.zero_stage == 0:
             return {"optimizer": self.optimizer.state_dict(), "skipped": self.skipped}
+        # lazily: deepspeed is the optional [gpu] extra and slow to import
         from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_get_full_optimizer_state
 
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -228,6 +233,7 @@ class DeepSpeedEngine:
         if self.zero_stage == 0:
             self.optimizer.load_state_dict(state["optimizer"])
             return
+        # lazily: deepspeed is the optional [gpu] extra and slow to import
         from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_set_full_optimizer_state
 
         saved = state["optimizer"]
@@ -279,8 +285,6 @@ def deepspeed_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Deep
 
     Raises ConfigError for a stage other than 0-3 or when deepspeed cannot be used.
     """
-    from ragen_core.trainer.engine import learning_rates, trainable_parameters
-
     t = cfg.trainer
     init_distributed(models.device)
     actor_lr, critic_lr = learning_rates(cfg)

@@ -135,6 +135,7 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
     groups = [g for g in shared_prefix_groups(input_ids, attention_mask) if g[1] > 0] if _can_share(decoder) else []
     if not groups:
         return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    # lazily: transformers takes seconds to import and only model code paths need it
     from transformers import DynamicCache
 
     parts: list[torch.Tensor] = []

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ragen_core.config import ExperimentConfig, ModelConfig
+from ragen_core.models import load_model
 from ragen_core.trainer.forward import decoder_and_head, hidden_states, policy_forward, shift_values
 
 __all__ = ["PolicyModels", "ValueModel", "build_policy_models", "critic_values", "reference_logprobs", "resolve_device"]
@@ -78,6 +79,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _lora_config(model_cfg: ModelConfig):  # -> peft.LoraConfig
+    # lazily: peft is slow to import and only LoRA needs it
     from peft import LoraConfig
 
     target = model_cfg.lora_target
@@ -101,8 +103,6 @@ def build_policy_models(cfg: ExperimentConfig, base: nn.Module | None = None) ->
     mcfg, acfg = cfg.model, cfg.algorithm
     device = resolve_device(mcfg.device)
     if base is None:
-        from ragen_core.models import load_model
-
         base = load_model(mcfg.name, dtype=getattr(torch, mcfg.dtype), device=str(device))
     else:
         base = copy.deepcopy(base).to(device)
@@ -115,6 +115,7 @@ def build_policy_models(cfg: ExperimentConfig, base: nn.Module | None = None) ->
         ref = copy.deepcopy(base).eval().requires_grad_(False)
     actor: nn.Module = base
     if mcfg.lora_rank > 0:
+        # lazily: peft is slow to import and only LoRA needs it
         from peft import get_peft_model
 
         actor = get_peft_model(base, _lora_config(mcfg))

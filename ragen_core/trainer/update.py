@@ -169,14 +169,14 @@ def _rollout_side(
     values, ref = [], []
     width, device = batch.input_ids.shape[1], models.device
     for s in micro_slices(batch.batch_size, cfg.trainer.micro_batch_size):
-        mb = _on(batch.select(torch.arange(s.start, s.stop)), device)
+        micro = _on(batch.select(torch.arange(s.start, s.stop)), device)
         if has_critic:
-            v = critic_engine.forward(critic_values, models, mb.input_ids, mb.attention_mask)
+            v = critic_engine.forward(critic_values, models, micro.input_ids, micro.attention_mask)
             values.append(_pad_to(v.float().cpu(), width))
         if models.use_reference:  # a frozen copy outside the engine, or the actor with its adapters off
-            lp = state.actor_engine.forward(reference_logprobs, models, mb.input_ids, mb.attention_mask,
+            lp = state.actor_engine.forward(reference_logprobs, models, micro.input_ids, micro.attention_mask,
                                             cfg.rollout.temperature, cfg.trainer.logprob_chunk,
-                                            start=first_scored(mb.loss_mask))
+                                            start=first_scored(micro.loss_mask))
             ref.append(_pad_to(lp.cpu(), width))
     return (torch.cat(values) if values else None), (torch.cat(ref) if ref else None)
 
@@ -280,9 +280,9 @@ def _mini_batch_step(
     totals: dict[str, float] = defaultdict(float)
     rank, world_size = state.actor_engine.data_parallel  # (0, 1) unless data parallel: then this rank's rows only
     for idx in rank_micro_rows(mb.batch_size, cfg.trainer.micro_batch_size, rank, world_size):
-        weight, stats = 1.0, meter
+        weight, micro_meter = 1.0, meter  # the meter this micro-batch's losses log their stats into
         if idx.numel() == 0:  # no row left for this rank: a zero-weighted stand-in keeps its backwards paired
-            idx, weight, stats = torch.zeros(1, dtype=torch.long), 0.0, _Meter()
+            idx, weight, micro_meter = torch.zeros(1, dtype=torch.long), 0.0, _Meter()  # stats thrown away
         micro = _on(mb.select(idx), device)
         w, n_tok = micro.input_ids.shape[1], float(micro.loss_mask.sum())
         head_targets = None  # value head: one forward and one backward for both losses
@@ -290,18 +290,18 @@ def _mini_batch_step(
             head_targets = (mb_values[idx, :w], mb_ret[idx, :w], norm)
         loss, pg_loss, head = state.actor_engine.forward(
             _actor_loss, models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w], cfg, norm,
-            stats, head_targets)
+            micro_meter, head_targets)
         totals["actor/pg_loss"] += float(pg_loss) * weight
         if head is not None:
             totals["critic/value_loss"] += float(head[0]) * weight
-            stats.add("critic/", head[1], n_tok)
+            micro_meter.add("critic/", head[1], n_tok)
         state.actor_engine.backward(loss * weight)  # × 1.0 is exact: W = 1 is unchanged
         if mb_ret is not None and models.critic is not None and state.critic_engine is not None:
             v_loss, v_stats = state.critic_engine.forward(_critic_loss, models.critic, micro, mb_values[idx, :w],
                                                           mb_ret[idx, :w], algo, norm)
             state.critic_engine.backward(v_loss * weight)
             totals["critic/value_loss"] += float(v_loss.detach()) * weight
-            stats.add("critic/", v_stats, n_tok)
+            micro_meter.add("critic/", v_stats, n_tok)
 
     meter.steps["actor/grad_norm"].append(state.actor_engine.step())
     if mb_ret is not None and state.critic_engine is not None:
@@ -326,25 +326,25 @@ def _actor_loss(
     actor's hidden states. Returns (loss with grad, policy loss detached, (value loss detached, its
     stats) or None).
     """
-    algo, m = cfg.algorithm, micro.loss_mask
+    algo, mask = cfg.algorithm, micro.loss_mask
     out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
-                         cfg.trainer.logprob_chunk, entropy_grad=algo.entropy_coef > 0, start=first_scored(m))
+                         cfg.trainer.logprob_chunk, entropy_grad=algo.entropy_coef > 0, start=first_scored(mask))
     pg_loss, pg_stats = losses.policy_loss(
-        out.logprobs, micro.old_logprobs, advantages, m, clip_low=algo.clip_low, clip_high=algo.clip_high,
+        out.logprobs, micro.old_logprobs, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
         dual_clip=algo.dual_clip, agg=algo.loss_agg, normaliser=normaliser)
     aggregate = losses.AGGREGATIONS[algo.loss_agg]
-    loss = pg_loss - algo.entropy_coef * aggregate(out.entropy, m, normaliser)
-    n_tok = float(m.sum())
-    meter.add("actor/", {**pg_stats, "entropy": losses.token_mean(out.entropy.detach(), m)}, n_tok)
+    loss = pg_loss - algo.entropy_coef * aggregate(out.entropy, mask, normaliser)
+    n_tok = float(mask.sum())
+    meter.add("actor/", {**pg_stats, "entropy": losses.token_mean(out.entropy.detach(), mask)}, n_tok)
     if ref_logprobs is not None and not algo.kl_in_reward:
         kl = losses.kl_penalty(out.logprobs, ref_logprobs, algo.kl_estimator)  # [b, w]
-        loss = loss + algo.kl_coef * aggregate(kl, m, normaliser)
-        meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), m)}, n_tok)
+        loss = loss + algo.kl_coef * aggregate(kl, mask, normaliser)
+        meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), mask)}, n_tok)
     if head_targets is None:
         return loss, pg_loss.detach(), None
     old_values, returns, value_norm = head_targets
     v_loss, v_stats = _value_loss(critic_values(models, micro.input_ids, micro.attention_mask, out.hidden),
-                                  old_values, returns, m, algo, value_norm)
+                                  old_values, returns, mask, algo, value_norm)
     return loss + algo.value_coef * v_loss, pg_loss.detach(), (v_loss.detach(), v_stats)
 
 

@@ -23,7 +23,7 @@ from ragen_core.config import load_experiment
 from ragen_core.models import load_model, load_tokenizer
 from ragen_core.rollout.generators import make_generator
 from ragen_core.rollout.loop import run_rollouts
-from ragen_core.trainer import warmup as W
+from ragen_core.trainer import warmup
 from ragen_core.trainer.collapse import measure_collapse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a warm-up on the default model takes minutes
@@ -42,7 +42,7 @@ def _measure(model_dir: str, cfg) -> dict[str, float]:
 def test_collapse_metrics_of_the_default_model_before_and_after_the_warm_up() -> None:
     torch.set_num_threads(2)
     cfg = load_experiment(SOKOBAN, ["rollout.max_new_tokens=128", "rollout.max_turns=1"])
-    after_dir = str(W.warmup_model(load_experiment(SOKOBAN, ["rollout.max_new_tokens=128"]), progress=print))
+    after_dir = str(warmup.warmup_model(load_experiment(SOKOBAN, ["rollout.max_new_tokens=128"]), progress=print))
     results = {"before": _measure(cfg.model.name, cfg), "after": _measure(after_dir, cfg)}
     for when, m in results.items():
         print(f"{when}: {int(m['n_reasonings'])}/{int(m['n_first_turns'])} closed thoughts, "

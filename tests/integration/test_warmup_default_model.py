@@ -35,7 +35,7 @@ import torch
 
 from ragen_core.config import ExperimentConfig, load_experiment
 from ragen_core.models import DEFAULT_MODEL, check_model_dir, load_model, load_tokenizer
-from ragen_core.trainer import warmup as W
+from ragen_core.trainer import warmup
 from ragen_core.trainer.collapse import measure_collapse
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a warm-up on the default model takes minutes
@@ -54,12 +54,12 @@ def test_warmup_teaches_the_format_not_the_task() -> None:
     assert (cfg.model.name, cfg.model.warmup, cfg.env.name, cfg.rollout.think, cfg.rollout.max_turns) == \
            (DEFAULT_MODEL, "self_distill", "Bandit", True, 1)
     tok = load_tokenizer(cfg.model.name)
-    before = W.measure_format(load_model(cfg.model.name), tok, cfg, SAMPLES)
-    path = W.warmup_model(cfg, progress=print)
+    before = warmup.measure_format(load_model(cfg.model.name), tok, cfg, SAMPLES)
+    path = warmup.warmup_model(cfg, progress=print)
     assert check_model_dir(path) is None
-    after = W.measure_format(load_model(str(path)), load_tokenizer(str(path)), cfg, SAMPLES)
+    after = warmup.measure_format(load_model(str(path)), load_tokenizer(str(path)), cfg, SAMPLES)
     # Bandit's random level: a uniformly random pull picks the better (high-risk) arm half the time.
-    random = W.random_policy_stats(cfg.env, cfg.rollout, tok, 256)["success"]
+    random = warmup.random_policy_stats(cfg.env, cfg.rollout, tok, 256)["success"]
     print(f"validity {before['validity']:.3f} -> {after['validity']:.3f}; success {before['success']:.3f} -> "
           f"{after['success']:.3f} (random valid actions: {random:.3f})")
     assert before["validity"] <= 0.2
@@ -76,14 +76,14 @@ def test_warmup_keeps_sokoban_thoughts_state_dependent() -> None:
     cfg = load_experiment(EXPERIMENTS / "sokoban-starpo-s.yaml", ["rollout.max_new_tokens=128"])
     tok = load_tokenizer(cfg.model.name)
     base = load_model(cfg.model.name)
-    before = W.format_stats(W.sample_episodes(base, tok, cfg, 32))
+    before = warmup.format_stats(warmup.sample_episodes(base, tok, cfg, 32))
     # the base model's own first-turn thoughts on 8 states x 4 replies, cut as the warm-up cuts them
-    cut, _ = W.self_distill_dialogues(base, tok, _first_turn(cfg), 8, seed_start=0, n_per_group=4)
+    cut, _ = warmup.self_distill_dialogues(base, tok, _first_turn(cfg), 8, seed_start=0, n_per_group=4)
     mi_before = measure_collapse(base, tok, cut)
-    path = W.warmup_model(cfg, progress=print)
+    path = warmup.warmup_model(cfg, progress=print)
     warmed = load_model(str(path))
-    after = W.format_stats(W.sample_episodes(warmed, tok, cfg, 32))
-    grid = W.sample_episodes(warmed, tok, _first_turn(cfg), 8, n_per_group=4, sampling_seed=1)
+    after = warmup.format_stats(warmup.sample_episodes(warmed, tok, cfg, 32))
+    grid = warmup.sample_episodes(warmed, tok, _first_turn(cfg), 8, n_per_group=4, sampling_seed=1)
     mi_after = measure_collapse(warmed, tok, grid)
     print(f"validity {before['validity']:.3f} -> {after['validity']:.3f}; I(X;Z) {mi_before['mi']:.3f} -> "
           f"{mi_after['mi']:.3f} of {mi_after['mi_upper_bound']:.2f}; retrieval {mi_before['retrieval_acc']:.3f} -> "

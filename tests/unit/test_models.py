@@ -211,8 +211,8 @@ def test_saving_a_cpu_model_prints_no_deepspeed_accelerator_warning(tmp_path: Pa
     # accelerate imports DeepSpeed (when installed) inside save_pretrained; without DS_ACCELERATOR
     # DeepSpeed warned "Setting accelerator to CPU ... unable to detect it" in every torch-backend run.
     pytest.importorskip("deepspeed")
-    code = ("import sys; from ragen_core import models as m; "
-            "m.load_model('tiny-random:0').save_pretrained(sys.argv[1]); import deepspeed")
+    code = ("import sys; from ragen_core import models; "
+            "models.load_model('tiny-random:0').save_pretrained(sys.argv[1]); import deepspeed")
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     env["RAGEN_DATA_DIR"] = str(tmp_path / "data")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True,

@@ -37,6 +37,7 @@ import numpy as np
 
 from ragen_core.envs.base import StepOutcome, TextEnv
 from ragen_core.envs.webshop.catalog import Catalog, Goal, get_generated_catalog, make_goal, tokens
+from ragen_core.envs.webshop.loader import load_webshop_json
 from ragen_core.envs.webshop.reward import PurchaseScore, score_purchase
 
 __all__ = ["WebShopEnv"]
@@ -50,8 +51,6 @@ _ACTION = re.compile(r"(search|click)\s*\[(.*)\]", re.IGNORECASE | re.DOTALL)
 @functools.lru_cache(maxsize=4)
 def _cached_json_catalog(products: str, attributes: str | None, human_goals: str | None,
                          num_products: int | None, seed: int, pid: int) -> Catalog:
-    from ragen_core.envs.webshop.loader import load_webshop_json
-
     return load_webshop_json(products, attributes, human_goals, num_products=num_products, seed=seed)
 
 

@@ -42,6 +42,7 @@ def make_generator(backend: str, model: Any, tokenizer: Any, **kw: Any) -> Gener
     ``kw`` goes to the backend's constructor (``HFGenerator`` or ``VLLMGenerator``).
     """
     if backend == "hf":
+        # lazily: hf.py imports torch and transformers; the rollout loop imports this package for the protocol
         from ragen_core.rollout.generators.hf import HFGenerator
 
         return HFGenerator(model, tokenizer, **kw)

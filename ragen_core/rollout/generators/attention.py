@@ -37,6 +37,7 @@ def _sdpa_gqa_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; query [B, H, Q, D], key/value [B, KV, K, D]."""
     if attention_mask is None:  # nothing padded: transformers' own path already uses native GQA
+        # lazily: transformers takes seconds to import and only model code paths need it
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
@@ -64,6 +65,7 @@ def _sdpa_gqa_forward(
 
 @functools.cache
 def _register() -> None:
+    # lazily: transformers takes seconds to import and only model code paths need it
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ragen_core.models import resolve_model
 from ragen_core.rollout.generators.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -152,6 +153,7 @@ class VLLMGenerator:
             raise ValueError(f"got {len(session_ids)} session ids for {len(prompts)} prompts")
         if not prompts:
             return []
+        # lazily: vllm is an optional extra and slow to import
         from vllm.inputs import TokensPrompt
 
         requests, settings = [], []
@@ -219,8 +221,6 @@ class VLLMGenerator:
         if model_path is not None:
             return Path(model_path)
         if not isinstance(model, torch.nn.Module):
-            from ragen_core.models import resolve_model
-
             return resolve_model(str(model))
         source = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
         if (

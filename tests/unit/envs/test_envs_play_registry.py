@@ -72,7 +72,7 @@ def test_register_a_custom_variant() -> None:
 
 
 def test_import_is_light() -> None:
-    code = ("import sys, json, ragen_core.envs as e; "
+    code = ("import sys, json, ragen_core.envs; "
             "print(json.dumps([m for m in sys.modules if m == 'torch' or m.startswith('ragen_core.envs.')]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     # only the base and the registry are loaded; no env module, no torch

@@ -99,7 +99,8 @@ def test_package_exports_resolve_to_the_same_objects_in_any_import_order() -> No
     import subprocess
     import sys
 
-    code = ("import ragen_core.rollout as r, ragen_core.rollout.evaluate as m; "
-            "assert r.evaluate is m and r.heldout_seeds is m.heldout_seeds and r.EvalResult is m.EvalResult; "
-            "assert 'evaluate' not in r.__all__")
+    code = ("import ragen_core.rollout as rollout, ragen_core.rollout.evaluate as evaluate_module; "
+            "assert rollout.evaluate is evaluate_module and rollout.heldout_seeds is evaluate_module.heldout_seeds "
+            "and rollout.EvalResult is evaluate_module.EvalResult; "
+            "assert 'evaluate' not in rollout.__all__")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

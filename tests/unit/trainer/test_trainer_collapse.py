@@ -19,7 +19,7 @@ from ragen_core.config import ExperimentConfig, apply_overrides, build_config
 from ragen_core.models import tiny_random
 from ragen_core.rollout.loop import run_rollouts
 from ragen_core.rollout.scripted import ScriptedGenerator
-from ragen_core.trainer import collapse as C
+from ragen_core.trainer import collapse
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def _random_ids(gen: torch.Generator, n: int, lo: int, hi: int, vocab: int) -> l
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("logits_bytes", [C.ONE_PIECE_LOGITS_BYTES, 1])  # all rows in one pass; one row per pass
+@pytest.mark.parametrize("logits_bytes", [collapse.ONE_PIECE_LOGITS_BYTES, 1])  # all rows in one pass; one row per pass
 def test_cache_reuse_equals_the_naive_pairwise_forward(tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
                                                        logits_bytes: int) -> None:
     model, _ = tiny
@@ -63,7 +63,7 @@ def test_cache_reuse_equals_the_naive_pairwise_forward(tiny: tuple[PreTrainedMod
     hook = model.get_decoder().register_forward_pre_hook(
         lambda mod, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
-        fast = C.cross_logprobs(model, prompts, reasonings, logits_bytes=logits_bytes)
+        fast = collapse.cross_logprobs(model, prompts, reasonings, logits_bytes=logits_bytes)
     finally:
         hook.remove()
     torch.testing.assert_close(fast, _naive(model, prompts, reasonings), atol=1e-4, rtol=0)
@@ -81,20 +81,20 @@ def test_whole_row_fallback_matches_too(tiny: tuple[PreTrainedModel, PreTrainedT
     gen = torch.Generator().manual_seed(1)
     prompts = _random_ids(gen, 2, 5, 30, model.config.vocab_size)
     reasonings = _random_ids(gen, 5, 1, 10, model.config.vocab_size)
-    monkeypatch.setattr(C, "_can_share", lambda decoder: False)
-    fast = C.cross_logprobs(model, prompts, reasonings, logits_bytes=1)
+    monkeypatch.setattr(collapse, "_can_share", lambda decoder: False)
+    fast = collapse.cross_logprobs(model, prompts, reasonings, logits_bytes=1)
     torch.testing.assert_close(fast, _naive(model, prompts, reasonings), atol=1e-4, rtol=0)
 
 
 def test_mode_is_restored_and_empty_inputs_are_refused(tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase]) -> None:
     model, _ = tiny
     model.train()
-    C.cross_logprobs(model, [[5, 6, 7]], [[8, 9]])
+    collapse.cross_logprobs(model, [[5, 6, 7]], [[8, 9]])
     assert model.training
     model.eval()
     for prompts, reasonings in (([], [[1]]), ([[1]], []), ([[1]], [[]]), ([[]], [[1]])):
         with pytest.raises(ValueError, match="none of them empty"):
-            C.cross_logprobs(model, prompts, reasonings)
+            collapse.cross_logprobs(model, prompts, reasonings)
 
 
 def _cfg(*overrides: str) -> ExperimentConfig:
@@ -117,7 +117,7 @@ def test_first_turn_pairs_take_the_prompt_through_think_and_the_content_between_
     cfg = _cfg(f"rollout.prefill={str(prefill).lower()}")
     gen = ScriptedGenerator(tok, lambda call, row, prompt: REPLIES[row % 4])
     trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds=[0, 1, 0], n_per_group=4)  # seed 0 twice
-    pairs = C.first_turn_pairs(trajs, tok)
+    pairs = collapse.first_turn_pairs(trajs, tok)
     assert pairs.n_first_turns == 12
     assert pairs.texts == ("go up first", "the box is left\nso push") * 3
     assert pairs.reasonings[0] == tuple(tok("go up first", add_special_tokens=False)["input_ids"])
@@ -127,7 +127,7 @@ def test_first_turn_pairs_take_the_prompt_through_think_and_the_content_between_
     assert pairs.prompts[0] == (tuple(first) if prefill else tuple(first) + think)
     assert pairs.prompts[0][-len(think):] == think
     # measure_collapse is collapse_metrics of exactly that matrix, plus counts
-    m = C.measure_collapse(model, tok, trajs)
+    m = collapse.measure_collapse(model, tok, trajs)
     naive = _naive(model, [list(x) for x in pairs.prompts], [list(z) for z in pairs.reasonings])
     expected = collapse_metrics(naive, torch.tensor(pairs.prompt_col))
     assert {k: m[k] for k in expected} == pytest.approx(expected, abs=1e-4)
@@ -140,7 +140,7 @@ def test_no_usable_reasoning_gives_counts_only(tiny: tuple[PreTrainedModel, PreT
     model, tok = tiny
     cfg = _cfg()
     trajs = run_rollouts(cfg.env, ScriptedGenerator(tok, "<answer>Up</answer>"), tok, cfg.rollout, [0], 2)
-    assert C.measure_collapse(model, tok, trajs) == {"n_first_turns": 2.0, "n_reasonings": 0.0,
+    assert collapse.measure_collapse(model, tok, trajs) == {"n_first_turns": 2.0, "n_reasonings": 0.0,
                                                      "valid_share": 0.0, "distinct_reasonings": 0.0}
 
 
@@ -155,7 +155,7 @@ def test_later_turn_pairs_draw_one_turn_per_trajectory_with_its_whole_context(
     trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds=[0, 1, 2], n_per_group=2)
     assert all(len(t.turns) > 1 for t in trajs)
     where = {turn.response_text: (t, k) for t in trajs for k, turn in enumerate(t.turns)}  # texts are unique
-    pairs = C.later_turn_pairs(trajs, tok, 4, np.random.default_rng(0))
+    pairs = collapse.later_turn_pairs(trajs, tok, 4, np.random.default_rng(0))
     assert pairs.n_first_turns == 4 and len(pairs.reasonings) == 4
     for x, text in zip(pairs.prompts, pairs.texts):
         t, turn = where[f"<think>{text}</think><answer>Left</answer>"]
@@ -164,7 +164,7 @@ def test_later_turn_pairs_draw_one_turn_per_trajectory_with_its_whole_context(
         assert list(x) == context + list(t.turns[turn].prompt_ids)  # everything before the reasoning, <think> last
         assert tok.decode(list(x)).endswith("<think>")
     # the same generator state draws the same pairs; the metrics are the matrix's
-    again = C.later_turn_pairs(trajs, tok, 4, np.random.default_rng(0))
+    again = collapse.later_turn_pairs(trajs, tok, 4, np.random.default_rng(0))
     assert again == pairs
-    m = C.measure_later_turns(model, tok, trajs, 4, np.random.default_rng(0))
+    m = collapse.measure_later_turns(model, tok, trajs, 4, np.random.default_rng(0))
     assert m["n_prompts"] == 4.0 and m["valid_share"] == 1.0 and m["mi"] <= m["mi_upper_bound"] + 1e-6

@@ -41,7 +41,7 @@ from ragen_core.rollout.loop import run_rollouts
 from ragen_core.rollout.parse import parse_response
 from ragen_core.rollout.prompts import fmt_reward
 from ragen_core.rollout.scripted import ScriptedGenerator
-from ragen_core.trainer import warmup as W
+from ragen_core.trainer import warmup
 from ragen_core.trainer.supervised import prefix_detached_backward, supervised_loss
 from ragen_core.types import Trajectory
 
@@ -79,8 +79,8 @@ def one_thread() -> Iterator[None]:
 def _dialogues(kind: str, cfg: ExperimentConfig, tok: PreTrainedTokenizerBase, n: int,
                seed_start: int = 5) -> list[Trajectory]:
     if kind == "random":
-        return W.synthetic_dialogues(cfg.env, cfg.rollout, tok, n, seed_start=seed_start)
-    return W.self_distill_dialogues(tiny_random(0)[0], tok, cfg, n, seed_start=seed_start)[0]
+        return warmup.synthetic_dialogues(cfg.env, cfg.rollout, tok, n, seed_start=seed_start)
+    return warmup.self_distill_dialogues(tiny_random(0)[0], tok, cfg, n, seed_start=seed_start)[0]
 
 
 class _ReplayIds:
@@ -306,7 +306,7 @@ def test_cut_thought_rules(tok: PreTrainedTokenizerBase) -> None:
 def test_random_policy_replies_follow_the_format_with_random_valid_actions(tok: PreTrainedTokenizerBase,
                                                                            env_name: str, think: bool) -> None:
     cfg = _cfg(f"env.name={env_name}", f"rollout.think={str(think).lower()}", "rollout.max_actions_per_turn=3")
-    trajs = W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 48)
+    trajs = warmup.synthetic_dialogues(cfg.env, cfg.rollout, tok, 48)
     turns = [turn for t in trajs for turn in t.turns]
     env = make(env_name)
     counts = set()
@@ -336,7 +336,7 @@ def test_a_reply_budget_too_small_for_the_format_says_so(tok: PreTrainedTokenize
 def test_random_policy_level_of_bandit_is_one_half(tok: PreTrainedTokenizerBase) -> None:
     # Success = pulling the high-risk arm (higher expected value); a uniform random pull does it
     # with probability 1/2, so 256 episodes give 0.5 +- 0.031 (one binomial std).
-    stats = W.random_policy_stats(_cfg(*BANDIT).env, _cfg(*BANDIT).rollout, tok, 256)
+    stats = warmup.random_policy_stats(_cfg(*BANDIT).env, _cfg(*BANDIT).rollout, tok, 256)
     assert stats["validity"] == 1.0 and 0.4 <= stats["success"] <= 0.6
 
 
@@ -351,7 +351,7 @@ def test_loss_of_a_model_with_all_zero_weights_is_log_vocab(tok: PreTrainedToken
         for p in model.parameters():
             p.zero_()
     cfg = _cfg(*SOKOBAN)
-    batch = build_token_batch(W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 3), tok, cfg.rollout)
+    batch = build_token_batch(warmup.synthetic_dialogues(cfg.env, cfg.rollout, tok, 3), tok, cfg.rollout)
     loss = supervised_loss(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
     assert loss.item() == pytest.approx(math.log(model.config.vocab_size), abs=1e-5)
 
@@ -359,7 +359,7 @@ def test_loss_of_a_model_with_all_zero_weights_is_log_vocab(tok: PreTrainedToken
 def test_loss_equals_transformers_masked_label_loss_and_prefix_pass_is_exact(tok: PreTrainedTokenizerBase) -> None:
     model, _ = tiny_random(1)
     cfg = _cfg(*SOKOBAN)
-    trajs = W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 5)
+    trajs = warmup.synthetic_dialogues(cfg.env, cfg.rollout, tok, 5)
     batch = build_token_batch(trajs, tok, cfg.rollout)
     ids, att, lm = batch.input_ids, batch.attention_mask, batch.loss_mask
     labels = torch.where(lm, ids, torch.full_like(ids, -100))  # transformers' own token-mean over labels != -100
@@ -389,7 +389,7 @@ def test_rows_sharing_a_prefix_share_one_prefix_pass(tok: PreTrainedTokenizerBas
     # shared pass gives the same loss as one pass per row (the loss is a token-mean over the batch).
     model, _ = tiny_random(2)
     cfg = _cfg(*BANDIT)
-    batch = build_token_batch(W.synthetic_dialogues(cfg.env, cfg.rollout, tok, 16), tok, cfg.rollout)
+    batch = build_token_batch(warmup.synthetic_dialogues(cfg.env, cfg.rollout, tok, 16), tok, cfg.rollout)
     calls = []
     decoder = model.get_decoder()
     hook = decoder.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs["input_ids"].shape),
@@ -414,57 +414,57 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def trainings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts calls of train_format (each is one warm-up training)."""
     calls: list[int] = []
-    real = W.train_format
+    real = warmup.train_format
 
     def counting(*args: object, **kwargs: object) -> list[float]:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(W, "train_format", counting)
+    monkeypatch.setattr(warmup, "train_format", counting)
     return calls
 
 
 def test_warmup_trains_once_then_hits_the_cache_and_force_rebuilds(data_dir: Path, trainings: list[int]) -> None:
     cfg = _cfg(*BANDIT, "model.warmup_steps=3")
     rng_before = torch.random.get_rng_state()
-    path = W.warmup_model(cfg)
+    path = warmup.warmup_model(cfg)
     assert torch.equal(torch.random.get_rng_state(), rng_before)  # the caller's RNG stream is untouched
     assert path.parent == data_dir / "models" and path.name.startswith("warmup-self_distill-tiny-random-0-Bandit-")
     assert check_model_dir(path) is None and trainings == [1]
     marker = json.loads((path / MARKER).read_text())
     assert (marker["method"], marker["steps"], marker["lr"], marker["env"], marker["base"]) == \
            ("self_distill", 3, 2e-4, "Bandit", TINY)
-    assert marker["dialogues"] == 3 * 8 and marker["replies"] == 24 and marker["format_version"] == W.FORMAT_VERSION
+    assert marker["dialogues"] == 3 * 8 and marker["replies"] == 24 and marker["format_version"] == warmup.FORMAT_VERSION
     assert (marker["states"], marker["dialogue_turns"]) == (6, 1)  # first turns, four replies per state
     for key in ("validity_before", "validity_after", "own_thought_end", "own_actions", "distinct_first_thoughts"):
         assert 0.0 <= marker[key] <= 1.0, key
     assert 0 <= marker["thought_tokens"] <= marker["thought_cap"] == 24  # half of the 48-token reply budget
-    facts = W.warmup_facts(path)
+    facts = warmup.warmup_facts(path)
     assert facts["method"] == "self_distill" and facts["dir"] == path.name and "validity_after" in facts
-    assert W.warmup_model(cfg) == path and trainings == [1]  # cache hit: no training
-    assert W.warmup_model(cfg, force=True) == path and trainings == [1, 1]
+    assert warmup.warmup_model(cfg) == path and trainings == [1]  # cache hit: no training
+    assert warmup.warmup_model(cfg, force=True) == path and trainings == [1, 1]
     assert json.loads((path / MARKER).read_text())["created"] >= marker["created"]
     # an interrupted build (no marker) is not trusted
     (path / MARKER).unlink()
-    assert W.warmup_model(cfg) == path and trainings == [1, 1, 1]
+    assert warmup.warmup_model(cfg) == path and trainings == [1, 1, 1]
     # another format is another model
-    other = W.warmup_model(_cfg(*BANDIT, "model.warmup_steps=3", "rollout.think=false"))
+    other = warmup.warmup_model(_cfg(*BANDIT, "model.warmup_steps=3", "rollout.think=false"))
     assert other != path and trainings == [1, 1, 1, 1]
     assert sorted(p.name for p in (data_dir / "models").iterdir() if p.name.startswith(".tmp")) == []
 
 
 def test_warmup_key_covers_what_changes_the_training_and_nothing_else(data_dir: Path) -> None:
     base = _cfg(*BANDIT)
-    key = W.warmup_key(base, "fp")
+    key = warmup.warmup_key(base, "fp")
     same = [_cfg(*BANDIT, "trainer.seed=7"), _cfg(*BANDIT, "trainer.iterations=3"), _cfg(*BANDIT, "trainer.actor_lr=0.1"),
             _cfg(*BANDIT, "rollout.temperature=0.5")]
-    assert all(W.warmup_key(c, "fp") == key for c in same)
+    assert all(warmup.warmup_key(c, "fp") == key for c in same)
     different = [_cfg(*BANDIT, "rollout.think=false"), _cfg(*BANDIT, "env.name=BanditRev"),
                  _cfg(*BANDIT, "model.warmup_steps=5"), _cfg(*BANDIT, "model.warmup_lr=0.001"),
                  _cfg(*BANDIT, "rollout.max_new_tokens=64"), _cfg(*BANDIT, "rollout.system_prompt=Hi"),
                  _cfg(*BANDIT, "env.params={high_risk_prob: 0.5}"), _cfg(*BANDIT, "model.name=tiny-random:1"),
                  _cfg(*BANDIT, "rollout.prefill=false"), _cfg(*BANDIT, "model.warmup=none")]
-    keys = {W.warmup_key(c, "fp") for c in different} | {W.warmup_key(base, "other weights")}
+    keys = {warmup.warmup_key(c, "fp") for c in different} | {warmup.warmup_key(base, "other weights")}
     assert key not in keys and len(keys) == len(different) + 1
 
 
@@ -473,11 +473,11 @@ def test_warmup_rollout_builds_one_warmup_for_every_actions_per_turn(data_dir: P
     plain = _cfg(*SOKOBAN, "model.warmup_steps=2")  # its own rollout is the one the others pin
     rows = [_cfg(*SOKOBAN, *shared, f"rollout.max_actions_per_turn={k}", f"rollout.max_actions_per_episode={5 * k}")
             for k in (1, 2, 4)]
-    assert {W.warmup_key(c, "fp") for c in rows} == {W.warmup_key(plain, "fp")}
-    assert W.warmup_key(_cfg(*SOKOBAN, "rollout.max_actions_per_turn=1"), "fp") != W.warmup_key(plain, "fp")
+    assert {warmup.warmup_key(c, "fp") for c in rows} == {warmup.warmup_key(plain, "fp")}
+    assert warmup.warmup_key(_cfg(*SOKOBAN, "rollout.max_actions_per_turn=1"), "fp") != warmup.warmup_key(plain, "fp")
     assert rows[0].rollout.max_actions_per_turn == 1 and rows[0].warmup_rollout_config.max_actions_per_turn == 3
-    path = W.warmup_model(rows[0])
-    assert [W.warmup_model(c) for c in (*rows[1:], plain)] == [path] * 3 and trainings == [1]
+    path = warmup.warmup_model(rows[0])
+    assert [warmup.warmup_model(c) for c in (*rows[1:], plain)] == [path] * 3 and trainings == [1]
     assert json.loads((path / MARKER).read_text())["steps"] == 2
 
 
@@ -497,7 +497,7 @@ def test_warmup_is_a_named_choice_and_the_old_boolean_is_refused() -> None:
         with pytest.raises(ConfigError, match=r"model\.warmup: .* not allowed; choose one of \['none', 'self_distill'\]"):
             build_config(ExperimentConfig, apply_overrides({}, [f"model.warmup={old}"]))
     with pytest.raises(ValueError, match="nothing to warm up"):
-        W.warmup_model(_cfg(*BANDIT, "model.warmup=none"))
+        warmup.warmup_model(_cfg(*BANDIT, "model.warmup=none"))
 
 
 def test_every_experiment_states_its_warmup() -> None:
@@ -506,7 +506,7 @@ def test_every_experiment_states_its_warmup() -> None:
     assert len(files) >= 10
     for path in files:
         raw = yaml.safe_load(path.read_text())
-        assert raw.get("model", {}).get("warmup") in W.METHODS, path.name
+        assert raw.get("model", {}).get("warmup") in warmup.METHODS, path.name
         assert load_experiment(path).model.warmup == raw["model"]["warmup"]
 
 
@@ -533,8 +533,8 @@ def test_warmed_tiny_model_learns_the_format(data_dir: Path, tok: PreTrainedToke
     # validity 0/16 before, 12/16 after (0.81 on the marker's 32 first turns), loss 6.78 -> 4.69 (its own
     # random thoughts stay unpredictable, as they should); the bounds leave room.
     cfg = _cfg(*BANDIT, "model.warmup_steps=150", "model.warmup_lr=0.01")
-    before = W.measure_format(load_model(TINY), tok, cfg, 16)
-    path = W.warmup_model(cfg)
+    before = warmup.measure_format(load_model(TINY), tok, cfg, 16)
+    path = warmup.warmup_model(cfg)
     marker = json.loads((path / MARKER).read_text())
     assert marker["loss_last"] < marker["loss_first"], marker  # most tokens are its own random thoughts: little to learn
     warmed, warmed_tok = load_model(str(path)), load_tokenizer(str(path))
@@ -543,5 +543,5 @@ def test_warmed_tiny_model_learns_the_format(data_dir: Path, tok: PreTrainedToke
     assert ChatRenderer(warmed_tok, system).head_ids("Turn 1") == ChatRenderer(tok, system).head_ids("Turn 1")
     base_weights = load_model(TINY).state_dict()
     assert any(not torch.equal(v, base_weights[k]) for k, v in warmed.state_dict().items())
-    after = W.measure_format(warmed, warmed_tok, cfg, 16)
+    after = warmup.measure_format(warmed, warmed_tok, cfg, 16)
     assert before["validity"] <= 0.1 and after["validity"] >= 0.6, (before, after, marker)
