@@ -16,7 +16,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows._ui import Reporter
-from ragen_core import evaluation as ev
+from ragen_core import evaluation
 from ragen_core.config import load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import tracking_uri
@@ -29,14 +29,14 @@ def evaluate(target: str, seeds: int | None = None, overrides: list[str] | None 
     """Evaluate ``target`` (run name, run dir, checkpoint dir or final-model dir) on ``seeds`` held-out
     seeds per env (default: the run's ``eval.seeds``); ``overrides`` change the run's saved config
     (e.g. ``eval.samples=4`` for pass@4). Returns the table as text."""
-    target_ = ev.resolve_target(target)
+    target_ = evaluation.resolve_target(target)
     cfg = load_experiment(RunDir(target_.run_dir).config_path, list(overrides or []))
-    envs = ev.evaluation_envs(cfg)
+    envs = evaluation.evaluation_envs(cfg)
     with Reporter(1) as ui:
         ui.say(f"evaluating {target_.weights} on {', '.join(e.label for e in envs)}")
         report = steps.evaluate_weights(cfg, target_, envs, seeds,
                                         progress=lambda done, total: ui.progress("evaluate", done, total))
-    files = list(ev.write_report(report, target_.run_dir))
+    files = list(evaluation.write_report(report, target_.run_dir))
     uri = tracking_uri(cfg) if cfg.tracking.backend == "mlflow" else None
     where = steps.log_evaluation(uri, run_id_of(target_.run_dir), report, files, target_.iteration)
-    return f"{ev.format_table(report)}\nwritten to {files[0]} and {files[1]}; {where}"
+    return f"{evaluation.format_table(report)}\nwritten to {files[0]} and {files[1]}; {where}"

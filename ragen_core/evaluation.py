@@ -3,12 +3,12 @@
 The plain-Python part of ``ragen eval`` (flows/evaluate.py chains these steps as a Prefect flow):
 
     from ragen_core.config import load_experiment
-    from ragen_core import evaluation as ev
+    from ragen_core import evaluation
     from ragen_core.store.run_dir import RunDir
-    target = ev.resolve_target("smoke-20260101-120000")      # run name, run dir or checkpoint dir
+    target = evaluation.resolve_target("smoke-20260101-120000")      # run name, run dir or checkpoint dir
     cfg = load_experiment(RunDir(target.run_dir).config_path)
-    report = ev.evaluate_target(cfg, target, ev.evaluation_envs(cfg), seeds=32)
-    print(ev.format_table(report))
+    report = evaluation.evaluate_target(cfg, target, evaluation.evaluation_envs(cfg), seeds=32)
+    print(evaluation.format_table(report))
 
 Variants (RAGEN §5.2, SPEC §2 "Variants used for generalisation"): a Bandit run is also
 evaluated on BanditTest (the held-out names Trader/Librarian), a Sokoban run on SokobanNewVocab,

@@ -254,11 +254,6 @@ def tokenize_and_filter(sess: Session, rollouts: RolloutBatch) -> Selection:
     return Selection(result.batch, kept, result.metrics, think, result.advantage_scale)
 
 
-select_groups = tokenize_and_filter
-"""Deprecated alias of :func:`tokenize_and_filter` (issue 17: the old name hid the tokenising and shadowed
-``algos.filtering.select_groups``); kept until tasks/train_steps.py calls the new name."""
-
-
 def update_policy(sess: Session, selection: Selection) -> UpdateStats:
     """All optimizer steps of this rollout batch, then fresh weights for the generator.
 

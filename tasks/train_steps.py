@@ -12,41 +12,41 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ragen_core import session as s
+from ragen_core import session
 from ragen_core.types import UpdateStats
 
 
 @task(name="rollout", cache_policy=NO_CACHE)
-def rollout(sess: s.Session) -> s.RolloutBatch:
-    return s.collect_rollouts(sess)
+def rollout(sess: session.Session) -> session.RolloutBatch:
+    return session.collect_rollouts(sess)
 
 
 @task(name="diagnose", cache_policy=NO_CACHE)
-def diagnose(sess: s.Session, rollouts: s.RolloutBatch) -> dict[str, float]:
-    return s.diagnose(sess, rollouts)
+def diagnose(sess: session.Session, rollouts: session.RolloutBatch) -> dict[str, float]:
+    return session.diagnose(sess, rollouts)
 
 
 @task(name="filter", cache_policy=NO_CACHE)
-def filter_groups(sess: s.Session, rollouts: s.RolloutBatch) -> s.Selection:
-    return s.select_groups(sess, rollouts)
+def filter_groups(sess: session.Session, rollouts: session.RolloutBatch) -> session.Selection:
+    return session.tokenize_and_filter(sess, rollouts)
 
 
 @task(name="update", cache_policy=NO_CACHE)
-def update(sess: s.Session, selection: s.Selection) -> UpdateStats:
-    return s.update_policy(sess, selection)
+def update(sess: session.Session, selection: session.Selection) -> UpdateStats:
+    return session.update_policy(sess, selection)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(sess: s.Session) -> dict[str, float]:
-    return s.evaluate_policy(sess)
+def evaluate(sess: session.Session) -> dict[str, float]:
+    return session.evaluate_policy(sess)
 
 
 @task(name="record", cache_policy=NO_CACHE)
-def record(sess: s.Session, rollouts: s.RolloutBatch, selection: s.Selection, stats: UpdateStats,
+def record(sess: session.Session, rollouts: session.RolloutBatch, selection: session.Selection, stats: UpdateStats,
            val: dict[str, float] | None, diagnostics: dict[str, float] | None = None) -> dict[str, float]:
-    return s.record_iteration(sess, rollouts, selection, stats, val, diagnostics)
+    return session.record_iteration(sess, rollouts, selection, stats, val, diagnostics)
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)
-def checkpoint(sess: s.Session) -> Path:
-    return s.save_run_checkpoint(sess)
+def checkpoint(sess: session.Session) -> Path:
+    return session.save_run_checkpoint(sess)
