@@ -26,6 +26,7 @@ from ragen_core.sweeps import (
     write_table,
     yaml_value,
 )
+from ragen_core.trainer.warmup import warmup_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,6 +157,19 @@ def test_the_repository_sweep_files_are_valid() -> None:
         assert plan.target >= 1
     smoke = load_sweep(ROOT / "sweeps" / "smoke.yaml")
     assert plan_sweep(ROOT / "sweeps" / "smoke.yaml").target == 3 and smoke.sampler == "grid"
+
+
+def test_the_cpu_actions_per_turn_rows_start_from_one_warmup() -> None:
+    """Table 3 on a CPU: k changes the rollout (and the episode budget 5k) but not the warmed start."""
+    f = ROOT / "sweeps" / "table3-sokoban-cpu.yaml"
+    sweep = load_sweep(f)
+    base = load_experiment(f.parent / sweep.base, sweep.overrides)
+    rows = [load_experiment(f.parent / sweep.base, trial_overrides({"actions_per_turn": k}, base, sweep.overrides))
+            for k in sweep.knobs["actions_per_turn"]]
+    assert [(c.rollout.max_actions_per_turn, c.rollout.max_actions_per_episode) for c in rows] == \
+           [(1, 5), (3, 15), (5, 25)]
+    assert len({warmup_key(c, "fp") for c in rows}) == 1
+    assert warmup_key(rows[0], "fp") == warmup_key(load_experiment(f.parent / sweep.base, ["rollout.max_new_tokens=128"]), "fp")
 
 
 # ----------------------------------------------------------------------------- objectives
