@@ -477,7 +477,10 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
     sess.logger.set_tags({"stop_reason": sess.stop_reason} if sess.stop_reason else {})
     sess.logger.close(status)
     uri = tracking_uri or ""
-    fmt = (lambda v: "n/a" if v is None else f"{v:.2f}")
+
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
     summary = (f"run {sess.name}: {sess.iteration} iterations, val success first {fmt(first)} -> last {fmt(last)}"
                + (f", stopped: {sess.stop_reason}" if sess.stop_reason else "")
                + f"\nrun directory: {sess.run_dir}"

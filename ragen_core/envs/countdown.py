@@ -167,9 +167,9 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[Fraction]]:
         elif isinstance(node, ast.UnaryOp):
             if not isinstance(node.op, (ast.UAdd, ast.USub)):
                 # ValueError (not TypeError) throughout: this judges an answer, it is no API misuse.
-                raise ValueError(f"operator not allowed: {type(node.op).__name__}")  # noqa: TRY004
+                raise ValueError(f"operator not allowed: {type(node.op).__name__}")
         elif not isinstance(node, (ast.operator, ast.unaryop)):
-            raise ValueError(f"syntax not allowed: {type(node).__name__}")  # noqa: TRY004
+            raise ValueError(f"syntax not allowed: {type(node).__name__}")
     return _evaluate(tree.body), literals
 
 

@@ -147,7 +147,7 @@ def test_group_size_one_with_filter_is_refused(tmp_path) -> None:
 
 
 def test_cross_field_checks(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="algorithm.critic"):
+    with pytest.raises(ConfigError, match=r"algorithm\.critic"):
         load_experiment(write(tmp_path, "algorithm: {estimator: gae, critic: none}\n"))
     with pytest.raises(ConfigError, match="max_actions_per_turn"):
         load_experiment(write(tmp_path, "rollout: {max_actions_per_turn: 6, max_actions_per_episode: 5}\n"))
@@ -187,5 +187,5 @@ def test_exponent_numbers_without_a_dot_are_numbers(tmp_path) -> None:
     cfg = load_experiment(write(tmp_path, "trainer: {critic_lr: 3E-5}\n"), ["trainer.actor_lr=1e-4"])
     assert cfg.trainer.actor_lr == 1e-4 and cfg.trainer.critic_lr == 3e-5
     for bad in ("fast", "1e", "e-4", "1e-4x"):
-        with pytest.raises(ConfigError, match="trainer.actor_lr: expected a number"):
+        with pytest.raises(ConfigError, match=r"trainer\.actor_lr: expected a number"):
             load_experiment(write(tmp_path, "name: x\n"), [f"trainer.actor_lr={bad}"])

@@ -19,7 +19,7 @@ def test_training_seeds_never_meet_heldout_seeds() -> None:
 
 
 def test_heldout_range_reaching_training_seeds_is_refused() -> None:
-    with pytest.raises(ConfigError, match="eval.seed_start"):
+    with pytest.raises(ConfigError, match=r"eval\.seed_start"):
         ExperimentConfig(eval=EvalConfig(seed_start=TRAIN_SEED_OFFSET - 10, seeds=256))
 
 

@@ -108,7 +108,7 @@ def load_webshop_json(
     rng = np.random.default_rng(seed)
     raw_products = _read(products_path)
     if not isinstance(raw_products, list):
-        raise ValueError(f"{products_path}: expected a JSON list of products")  # noqa: TRY004 (bad file content)
+        raise ValueError(f"{products_path}: expected a JSON list of products")  # bad file content: a ValueError
     attrs = {str(k).upper(): v for k, v in (_read(attributes_path) if attributes_path else {}).items()}
     products: list[Product] = []
     seen: set[str] = set()

@@ -50,7 +50,7 @@ def trajectory_digest(name, seed, action_seed, n_steps=12):
 
 def _digest_fn():
     namespace: dict = {}
-    exec(TRAJECTORY_SRC, namespace)  # noqa: S102 (test-owned source text, run identically in a child process)
+    exec(TRAJECTORY_SRC, namespace)  # test-owned source text, run identically in a child process
     return namespace["trajectory_digest"]
 
 
