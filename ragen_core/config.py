@@ -583,17 +583,27 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return build_config(tp, value, path)
     if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {_tname(value)}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{path}: expected a list of {len(args)} values, got {len(value)}")
-        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return _coerce_tuple(args, value, path)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {_tname(value)}")
         return dict(value)
+    return _coerce_scalar(tp, value, path)
+
+
+def _coerce_tuple(args: tuple[Any, ...], value: Any, path: str) -> tuple[Any, ...]:
+    """A YAML list as a tuple[X, ...] or a fixed-length tuple[X, Y], each item coerced."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list, got {_tname(value)}")
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if len(value) != len(args):
+        raise ConfigError(f"{path}: expected a list of {len(args)} values, got {len(value)}")
+    return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+
+
+def _coerce_scalar(tp: Any, value: Any, path: str) -> Any:
+    """bool, int, float or str, checked strictly (a YAML true is no integer, 1 is no bool)."""
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: expected true or false, got {value!r}")

@@ -151,7 +151,13 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[Fraction]]:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as exc:
         raise ValueError(f"not an arithmetic expression ({type(exc).__name__})") from None
-    nodes = list(ast.walk(tree.body))
+    literals = _checked_literals(tree.body)  # before _evaluate, which trusts the tree
+    return _evaluate(tree.body), literals
+
+
+def _checked_literals(body: ast.expr) -> list[Fraction]:
+    """The number literals of a parsed answer; raises ValueError on any node outside the whitelist."""
+    nodes = list(ast.walk(body))
     if len(nodes) > _MAX_NODES:
         raise ValueError("expression too large")
     literals: list[Fraction] = []
@@ -170,7 +176,7 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[Fraction]]:
                 raise ValueError(f"operator not allowed: {type(node.op).__name__}")
         elif not isinstance(node, (ast.operator, ast.unaryop)):
             raise ValueError(f"syntax not allowed: {type(node).__name__}")
-    return _evaluate(tree.body), literals
+    return literals
 
 
 def _evaluate(node: ast.expr) -> Fraction | None:
