@@ -324,7 +324,7 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     def bandit_reward(prompts, completions, seed, **_: Any) -> list[float]:
         out = []
-        for text, s in zip(completions, seed):
+        for text, s in zip(completions, seed, strict=True):
             parsed = parse_response(text, think=True, max_actions=1)
             env = make("Bandit")
             env.reset(seed=int(s))

@@ -265,4 +265,4 @@ def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> 
         return []
     fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics())
     return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}})
-            for f, t in zip(fetched, ran)]
+            for f, t in zip(fetched, ran, strict=True)]

@@ -240,12 +240,12 @@ def _reverse_search(
             continue
         # The reference's state identity: player and box cells, and which boxes were ever pulled
         # (box identities are not part of it, so the first path to a state decides its score).
-        key = (p, frozenset(zip(boxes, pulled)))
+        key = (p, frozenset(zip(boxes, pulled, strict=True)))
         if key in explored:
             continue
         explored.add(key)
         if swaps and p not in target_set and target_set.isdisjoint(boxes):
-            displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+            displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets, strict=True))
             if swaps * displacement > best[2]:
                 best = (p, boxes, swaps * displacement)
         children = []
@@ -345,7 +345,7 @@ def generate_reference_level(
         player, boxes, score = _reverse_search(floor, targets, player, search_depth)
         if score == 0:  # no pull got every box off the targets: the reference tries another room
             continue
-        displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+        displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets, strict=True))
         box_set = frozenset(boxes)
         player = _wander(rng, floor, box_set, player, p_move=0.8 if displacement == 1 else 0.5)
         level = SokobanLevel(height, width, floor, frozenset(targets), box_set, player)
@@ -454,7 +454,7 @@ class SokobanEnv(TextEnv):
 
     @property
     def legend(self) -> dict[str, str]:
-        return dict(zip(self.symbols, _MEANINGS))
+        return dict(zip(self.symbols, _MEANINGS, strict=True))
 
     @property
     def level(self) -> SokobanLevel:

@@ -98,7 +98,8 @@ class ChatRenderer:
     def messages(self, first_user_text: str, replies: Sequence[str], user_texts: Sequence[str]) -> list[dict[str, str]]:
         """The chat messages equivalent to a rendered dialogue (for reading and for template checks)."""
         out = self._system() + [self._user(first_user_text, first=True)]
-        for reply, user in zip(replies, list(user_texts) + [None]):
+        # user_texts has one text per reply, or one fewer (none yet after the last reply): the None pads that case
+        for reply, user in zip(replies, list(user_texts) + [None], strict=False):
             out.append({"role": "assistant", "content": reply})
             if user is not None:
                 out.append({"role": "user", "content": user})

@@ -266,8 +266,8 @@ class SelfDistillGenerator:
         inner_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, self.cap + ANSWER_ROOM))
         samples = self.inner.generate([list(p) + self._open_ids for p in prompts], inner_params, session_ids)
         turns = [self._turns.get(sid, 0) for sid in session_ids or ()]
-        self._turns.update({sid: t + 1 for sid, t in zip(session_ids or (), turns)})
-        return [self._reply(shadow, sample, params, turn) for shadow, sample, turn in zip(shadows, samples, turns)]
+        self._turns.update({sid: t + 1 for sid, t in zip(session_ids or (), turns, strict=True)})
+        return [self._reply(shadow, sample, params, turn) for shadow, sample, turn in zip(shadows, samples, turns, strict=True)]
 
     def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
         self.inner.end_sessions(session_ids)

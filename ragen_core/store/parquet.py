@@ -104,7 +104,7 @@ def to_table(trajectories: Sequence[Trajectory], kept: Sequence[bool] | None = N
     kept = [True] * len(trajectories) if kept is None else list(kept)
     if len(kept) != len(trajectories):
         raise ValueError(f"kept has {len(kept)} flags for {len(trajectories)} trajectories")
-    rows = [_row(t, bool(k)) for t, k in zip(trajectories, kept)]
+    rows = [_row(t, bool(k)) for t, k in zip(trajectories, kept, strict=True)]
     return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 

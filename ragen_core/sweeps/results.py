@@ -87,7 +87,7 @@ def table_rows(
         by_base = sorted(groups[row_key].items(), key=lambda kv: (
             base_order.index(kv[0]) if kv[0] in base_order else len(base_order), str(kv[0])))
         chosen = [_pick(ts, maximize) for _, ts in by_base]
-        row: dict[str, Any] = dict(zip(keys, row_key))
+        row: dict[str, Any] = dict(zip(keys, row_key, strict=True))
         for k in other:
             row[k] = "|".join(dict.fromkeys(str(t.params.get(k, "")) for t in chosen))
         for t in chosen:

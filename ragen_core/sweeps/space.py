@@ -235,7 +235,7 @@ def check_sweep(sweep: SweepConfig, bases: Mapping[str, str]) -> int:
         return 0
     grid = grid_space(sweep, bases)
     names = list(grid)
-    return _check_points(sweep, bases, [dict(zip(names, combo)) for combo in itertools.product(*grid.values())])
+    return _check_points(sweep, bases, [dict(zip(names, combo, strict=True)) for combo in itertools.product(*grid.values())])
 
 
 def _finite_part(sweep: SweepConfig, bases: Mapping[str, str]) -> dict[str, list[Any]]:

@@ -48,19 +48,19 @@ def plot_curves(
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     # a line style and marker per run, so identical curves (e.g. two runs at 0 success) stay visible
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
-    for ax, metric in zip(axes, metrics):
+    for ax, metric in zip(axes, metrics, strict=False):  # an odd count leaves the grid's last axis spare
         drawn = False
         for n, (run, series) in enumerate(histories.items()):
             points = sorted(series.get(metric, ()))
             if not points:
                 continue
-            steps, values = zip(*points)
+            steps, values = zip(*points, strict=True)
             line, marker = styles[n % len(styles)]
             (drawn_line,) = ax.plot(steps, values, label=run, linewidth=1.6, linestyle=line,
                                     marker=marker if len(points) < 30 else None, markersize=4, alpha=0.85)
             spread = sorted((bands or {}).get(run, {}).get(metric, ()))
             if spread:
-                xs, lows, highs = zip(*spread)
+                xs, lows, highs = zip(*spread, strict=True)
                 ax.fill_between(xs, lows, highs, color=drawn_line.get_color(), alpha=0.18, linewidth=0)
             drawn = True
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

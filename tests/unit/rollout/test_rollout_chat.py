@@ -53,7 +53,7 @@ def _reply_ids(renderer: ChatRenderer, text: str, stop: bool = True) -> list[int
 def _incremental(renderer: ChatRenderer, replies: list[list[int]]) -> list[int]:
     """head + r0 + t1 + r1 + t2: the context of turn 3, built the way the loop builds it."""
     ids = list(renderer.head_ids(FIRST))
-    for reply, user in zip(replies, USERS):
+    for reply, user in zip(replies, USERS, strict=True):
         ids += reply + list(renderer.transition_ids(reply, user))
     return ids
 

@@ -52,7 +52,7 @@ def test_chunked_equals_full_logits_values_and_grads(chunk: int, one_piece_bytes
     ((out.logprobs * weights).sum() + (out.entropy * weights).sum()).backward()
     torch.testing.assert_close(out.logprobs, lp_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.entropy, ent_ref, atol=1e-6, rtol=1e-6)
-    for p, g_ref in zip(model.parameters(), grads_ref):
+    for p, g_ref in zip(model.parameters(), grads_ref, strict=True):
         # Values agree to 1e-6; gradients to float32 summation noise: the chunked backward sums the
         # output-layer gradient chunk by chunk, the plain one in one matmul (~1e-7 relative per term).
         scale = float(g_ref.abs().max()) + 1e-12

@@ -195,7 +195,7 @@ def test_self_distilled_thoughts_are_the_ids_the_model_sampled(tok: PreTrainedTo
                for turn in (t.turns[k],)]  # call order: turn by turn, episodes in order
     assert len(replies) == len(inner.samples) == len(gen.records)
     cap = thought_cap(cfg.rollout)
-    for turn, sample, rec in zip(replies, inner.samples, gen.records):
+    for turn, sample, rec in zip(replies, inner.samples, gen.records, strict=True):
         k = rec["thought_tokens"]
         assert 0 <= k <= cap
         assert turn.response_ids[:k] == sample.token_ids[:k]  # the thought: the model's own ids, only cut
@@ -227,7 +227,7 @@ def test_self_distill_keeps_own_thought_ends_and_own_valid_answers(tok: PreTrain
     seeds = list(range(6))
     gen = SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, seeds, 1, np.random.default_rng(0))
     trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds, 1)
-    for row, (traj, rec) in enumerate(zip(trajs, gen.records)):
+    for row, (traj, rec) in enumerate(zip(trajs, gen.records, strict=True)):
         _, thought, how, own = SCRIPT[row]
         (turn,) = traj.turns
         assert turn.parse_ok
