@@ -241,7 +241,8 @@ def open_parent_run(plan: SweepPlan, study: optuna.Study, url: str, flow_run_id:
 def close_lost_runs(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> None:
     """Mark FAILED the MLflow runs of trials that failed while their run was open (a killed worker)."""
     base = load_experiment(plan.sweep.base, plan.sweep.overrides)
-    lost = [t.user_attrs["mlflow_run_id"] for t in trials if t.state.name == "FAIL" and t.user_attrs.get("mlflow_run_id")]
+    lost = [t.user_attrs["mlflow_run_id"] for t in trials
+            if t.state.name == "FAIL" and t.user_attrs.get("mlflow_run_id")]
     if not lost or base.tracking.backend == "none":
         return
     from mlflow import MlflowClient  # only when a trial was lost: mlflow takes seconds to import

@@ -300,7 +300,8 @@ def diagnose(sess: Session, rollouts: RolloutBatch) -> dict[str, float]:
     for scope, m in scopes.items():
         if "marginal_std" in m:  # the EMA-normalised z-score (RAGEN-2 reference metrics, §7.3)
             prev = sess.collapse_ema.get(scope)
-            ema = m["marginal_std"] if prev is None else d.collapse_ema * prev + (1 - d.collapse_ema) * m["marginal_std"]
+            ema = (m["marginal_std"] if prev is None
+                   else d.collapse_ema * prev + (1 - d.collapse_ema) * m["marginal_std"])
             sess.collapse_ema[scope] = ema
             m = {**m, "marginal_std_ema": ema, "mi_zscore_ema": m["mi"] / (ema + MI_ZSCORE_EPS)}
         out.update({f"collapse/{scope}/{k}": float(v) for k, v in m.items()})
@@ -402,7 +403,8 @@ def record_final_eval(sess: Session, val: dict[str, float]) -> None:
     sess.logger.log_metrics(val, step=sess.iteration)
     sess.history.append(row)
     sess.folder.append_history(row)
-    sess.say(f"final evaluation after {sess.iteration} iterations | val success {val.get('val/success', float('nan')):.2f}")
+    sess.say(f"final evaluation after {sess.iteration} iterations | "
+             f"val success {val.get('val/success', float('nan')):.2f}")
 
 
 def run_iteration(sess: Session) -> dict[str, float]:

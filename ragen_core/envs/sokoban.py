@@ -115,7 +115,8 @@ def _carve_room(rng: np.random.Generator, height: int, width: int, n_steps: int)
     return frozenset(floor)
 
 
-def _reverse_bfs(floor: frozenset[Pos], targets: frozenset[Pos], max_depth: int) -> dict[tuple[Pos, frozenset[Pos]], int]:
+def _reverse_bfs(floor: frozenset[Pos], targets: frozenset[Pos],
+                 max_depth: int) -> dict[tuple[Pos, frozenset[Pos]], int]:
     """Exhaustive reverse play: every state within ``max_depth`` reverse moves of a solved state.
 
     Sources are the solved box placement with the player on any free floor cell. A reverse move

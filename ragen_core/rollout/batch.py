@@ -174,7 +174,8 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 
-def mask_problems(batch: TokenBatch, trajectories: Sequence[Trajectory], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+def mask_problems(batch: TokenBatch, trajectories: Sequence[Trajectory],
+                  tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """What is wrong with ``batch``'s masks for ``trajectories`` (empty when nothing is).
 
     Independent of how the rows were built: it only uses the trajectories and the tokenizer.

@@ -67,7 +67,8 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.prefill = prefill
-        """Text after every generation prompt that the reply continues from (``<think>``; SPEC §3): context, never trained."""
+        """Text after every generation prompt that the reply continues from (``<think>``; SPEC §3): context, never
+        trained."""
         self._system_role = self._supports_system_role()
         tail = self._tail("x")
         self.end_of_turn_id, self.end_of_turn_text = self._end_of_turn(tail)
@@ -152,7 +153,8 @@ class ChatRenderer:
         text = self.render(probe, add_generation_prompt=True)
         at = text.find(_SENTINEL)
         if at < 0:
-            raise ValueError("the chat template drops assistant messages from the history; it cannot render multi-turn episodes")
+            raise ValueError("the chat template drops assistant messages from the history; "
+                             "it cannot render multi-turn episodes")
         return text[at + len(_SENTINEL):]
 
     def _end_of_turn(self, tail: str) -> tuple[int | None, str]:
@@ -232,7 +234,8 @@ def assemble(
     """
     n = len(prompt_ids)
     if len(response_ids) not in (n, n - 1) or len(logprobs) != len(response_ids):
-        raise ValueError(f"{n} prompts need {n} or {n - 1} responses with logprobs, got {len(response_ids)}/{len(logprobs)}")
+        raise ValueError(f"{n} prompts need {n} or {n - 1} responses with logprobs, "
+                         f"got {len(response_ids)}/{len(logprobs)}")
     if not 0 <= start < n:
         raise ValueError(f"start turn {start} is outside 0..{n - 1}")
     spans = [Span(tuple(head_ids), False, start)]

@@ -176,7 +176,8 @@ def _random_count(shadow: _Shadow, cfg: RolloutConfig, rng: np.random.Generator)
     reply against the state before the turn, and their valid actions change with the state)."""
     if shadow.done:
         raise RuntimeError("the rollout loop asked for a reply after the shadow episode ended: they drifted apart")
-    most = 1 if shadow.env.free_form_actions else min(cfg.max_actions_per_turn, cfg.max_actions_per_episode - shadow.used)
+    most = (1 if shadow.env.free_form_actions
+            else min(cfg.max_actions_per_turn, cfg.max_actions_per_episode - shadow.used))
     return int(rng.integers(1, most + 1))
 
 
@@ -240,9 +241,9 @@ class SelfDistillGenerator:
     stop token. ACTIONS: the model's own when its reply parsed and every named action exists (envs with a
     fixed action list), else random valid ones; either way stepped in the episode's shadow env first.
     Log-probs are 0.0 (the warm-up is supervised). ``records`` has one dict per reply: its turn index,
-    how its thought ended, the thought and its token count, whether the actions were the model's own, and whether the reply as sampled
-    was already valid (parsed, only existing actions; in free-form envs, whose actions are judged by
-    stepping, this and own answers are not used: always False, random actions).
+    how its thought ended, the thought and its token count, whether the actions were the model's own, and whether
+    the reply as sampled was already valid (parsed, only existing actions; in free-form envs, whose actions are
+    judged by stepping, this and own answers are not used: always False, random actions).
     """
 
     def __init__(self, inner: Generator, tokenizer: PreTrainedTokenizerBase, env_cfg: EnvConfig,
@@ -267,7 +268,8 @@ class SelfDistillGenerator:
         samples = self.inner.generate([list(p) + self._open_ids for p in prompts], inner_params, session_ids)
         turns = [self._turns.get(sid, 0) for sid in session_ids or ()]
         self._turns.update({sid: t + 1 for sid, t in zip(session_ids or (), turns, strict=True)})
-        return [self._reply(shadow, sample, params, turn) for shadow, sample, turn in zip(shadows, samples, turns, strict=True)]
+        return [self._reply(shadow, sample, params, turn)
+                for shadow, sample, turn in zip(shadows, samples, turns, strict=True)]
 
     def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
         self.inner.end_sessions(session_ids)

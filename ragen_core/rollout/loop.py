@@ -203,7 +203,8 @@ def _turn_seed(sampling_seed: int | None, turn: int) -> int | None:
     return int(np.random.SeedSequence([int(sampling_seed), turn]).generate_state(1)[0])
 
 
-def _next_context(ep: _Episode, renderer: ChatRenderer, cfg: RolloutConfig, budget: int | None) -> RenderedSequence | None:
+def _next_context(ep: _Episode, renderer: ChatRenderer, cfg: RolloutConfig,
+                  budget: int | None) -> RenderedSequence | None:
     """Append this turn's user message and return the guarded context, or None (episode ends)."""
     j = len(ep.turns)
     prev = ep.turns[-1] if ep.turns else None

@@ -211,7 +211,8 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
         per_env = {k[len("val/"):-len("/success")]: float(v) for k, v in val.items()
                    if k.startswith("val/") and k.endswith("/success") and k != "val/success"}
         cost = {kind: run_cost(sess.history, kind) for kind in COST_KEYS}
-        cost["wall_seconds"] = round(time.monotonic() - started, 3)  # this process's share (a resumed run: since resume)
+        # this process's share (a resumed run: since resume)
+        cost["wall_seconds"] = round(time.monotonic() - started, 3)
         for key, attr in (("run_dir", str(sess.run_dir)), ("curve", curve), ("val", per_env), ("cost", cost),
                           ("mlflow_run_id", sess.logger.run_id)):
             storage.set_trial_user_attr(trial_id, key, attr)

@@ -68,7 +68,8 @@ def _load_trainable(tensors: dict[str, torch.Tensor], *named: tuple[str, nn.Modu
                 key = f"{prefix}.{name}"
                 expected.add(key)
                 if key not in tensors:
-                    raise ValueError(f"checkpoint lacks parameter {key!r}; was it saved with another model or LoRA setting?")
+                    raise ValueError(f"checkpoint lacks parameter {key!r}; "
+                                     "was it saved with another model or LoRA setting?")
                 if tensors[key].shape != p.shape:
                     raise ValueError(f"checkpoint parameter {key!r} has shape {tuple(tensors[key].shape)}, "
                                      f"the model's is {tuple(p.shape)}: another base model?")

@@ -35,7 +35,8 @@ from ragen_core.envs.webshop.catalog import NO_PRICE_LIMIT, Catalog, Goal, Produ
 
 __all__ = ["load_webshop_json"]
 
-_STOPWORDS = frozenset(["a", "an", "and", "the", "for", "with", "of", "to", "in", "on", "by", "x", "pack", "count", "oz", "inch", "set"])
+_STOPWORDS = frozenset(["a", "an", "and", "the", "for", "with", "of", "to", "in", "on", "by", "x", "pack", "count",
+                        "oz", "inch", "set"])
 
 
 def _read(path: str | os.PathLike[str]) -> Any:
