@@ -84,7 +84,8 @@ def test_extends_cycle_is_an_error(tmp_path) -> None:
 
 
 def test_derived_values_are_properties(tmp_path) -> None:
-    cfg = load_experiment(write(tmp_path, "rollout: {prompts_per_iter: 4, responses_per_prompt: 2}\ntrainer: {online_k: 3}\n"))
+    cfg = load_experiment(write(tmp_path,
+                                "rollout: {prompts_per_iter: 4, responses_per_prompt: 2}\ntrainer: {online_k: 3}\n"))
     assert cfg.prompts_per_rollout == 12 and cfg.trajectories_per_rollout == 24
     assert "prompts_per_rollout" not in {f.name for f in dataclasses.fields(cfg)}
 
@@ -96,7 +97,8 @@ def test_derived_values_are_properties(tmp_path) -> None:
     ("trainer: {iterations: three}\n", "trainer.iterations: expected an integer, got 'three'"),
     ("trainer: {iterations: 2.5}\n", "trainer.iterations: expected an integer"),
     ("rollout: {think: 1}\n", "rollout.think: expected true or false"),
-    ("algorithm: {estimator: ppo}\n", "algorithm.estimator: 'ppo' is not allowed; choose one of ['gae', 'grpo', 'bilevel_gae']"),
+    ("algorithm: {estimator: ppo}\n",
+     "algorithm.estimator: 'ppo' is not allowed; choose one of ['gae', 'grpo', 'bilevel_gae']"),
     ("rollout: {responses_per_prompt: -4}\n", "rollout.responses_per_prompt: -4 is out of range; must be >= 1"),
     ("algorithm: {filter_strategy: top_k, filter_value: 1.5}\n",
      "algorithm.filter_value: 1.5 is out of range for top_k (a fraction); must be <= 1.0"),

@@ -26,7 +26,8 @@ LLAMA3_LIKE = (
 GEMMA_LIKE = (
     "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     "{% for m in messages %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n'"
-    " + m['content'] + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    " + m['content'] + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 INJECTS_DEFAULT_SYSTEM = (
     "{% for m in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

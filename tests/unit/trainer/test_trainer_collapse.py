@@ -106,7 +106,8 @@ REPLIES = [  # (group, member) -> reply; groups 0 and 1 are seeds 0 and 1
     "<think>go up first</think><answer>Up</answer>",
     "<think>never closed <answer>Up</answer>",  # left out: no closed think block
     "<think></think><answer>Down</answer>",  # left out: empty reasoning
-    "<think>the box is left\nso push</think>nonsense",  # kept: the think block is closed (the answer is not ours to judge)
+    # kept: the think block is closed (the answer is not ours to judge)
+    "<think>the box is left\nso push</think>nonsense",
 ]
 
 

@@ -283,7 +283,8 @@ def test_filter_batch_scores_entropy_and_length_from_the_rollout() -> None:
         return filter_batch(batch, returns, algo).kept_groups.tolist()
 
     assert kept("algorithm.filter_metric=entropy_std", "algorithm.filter_value=0.5") == [0]
-    assert kept("algorithm.filter_metric=entropy_std", "algorithm.filter_value=0.5", "algorithm.filter_largest=false") == [1]
+    assert kept("algorithm.filter_metric=entropy_std", "algorithm.filter_value=0.5",
+                "algorithm.filter_largest=false") == [1]
     assert kept("algorithm.filter_metric=length", "algorithm.filter_value=0.5") == [0]  # a tie: lower index
     # zero-std groups dropped first (RAGEN-2): all rewards equal -> nothing kept, the caller skips the update
     empty = filter_batch(batch, returns, make_cfg("starpo-s-snr", "rollout.responses_per_prompt=2").algorithm)
