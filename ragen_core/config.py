@@ -598,7 +598,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if value not in args:
             raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {list(args)}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a schema names classes, never instances
         return build_config(tp, value, path)
     if origin is tuple:
         return _coerce_tuple(args, value, path)

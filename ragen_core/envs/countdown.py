@@ -182,6 +182,7 @@ def _checked_literals(body: ast.expr) -> list[Fraction]:
 def _evaluate(node: ast.expr) -> Fraction | None:
     """Exact value of an already-validated tree (None on division by zero)."""
     if isinstance(node, ast.Constant):
+        assert isinstance(node.value, int | float)  # _checked_literals let only numbers through
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp):
         v = _evaluate(node.operand)

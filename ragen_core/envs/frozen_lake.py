@@ -151,7 +151,7 @@ class FrozenLakeEnv(TextEnv):
     def render(self) -> str:
         if not self._map:
             return ""
-        player, frozen, hole, goal, player_hole, player_goal = self.symbols
+        player, frozen, hole, goal, player_hole, player_goal = tuple(self.symbols)
         plain = {"S": frozen, "F": frozen, "H": hole, "G": goal}
         on = {"S": player, "F": player, "H": player_hole, "G": player_goal}
         return "\n".join(

@@ -376,7 +376,7 @@ def generate_level(rng: np.random.Generator, height: int = 6, width: int = 6, n_
 def parse_level(text: str | Sequence[str], symbols: str = DEFAULT_SYMBOLS) -> SokobanLevel:
     """Read a level drawn with ``symbols`` (wall, empty, target, box on target, box, player, player on target)."""
     rows = text.strip("\n").split("\n") if isinstance(text, str) else list(text)
-    wall, _empty, target, box_t, box, player, player_t = symbols
+    wall, _empty, target, box_t, box, player, player_t = tuple(symbols)
     floor, targets, boxes, players = set(), set(), set(), []
     for r, row in enumerate(rows):
         for c, ch in enumerate(row):
@@ -518,7 +518,7 @@ class SokobanEnv(TextEnv):
     def render(self) -> str:
         if self._level is None:
             return ""
-        wall, empty, target, box_t, box, player, player_t = self.symbols
+        wall, empty, target, box_t, box, player, player_t = tuple(self.symbols)
         lv = self._level
         rows = []
         for r in range(lv.height):

@@ -47,10 +47,18 @@ from jinja2.exceptions import TemplateError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["ChatRenderer", "RenderedSequence", "Span", "assemble"]
+__all__ = ["ChatRenderer", "RenderedSequence", "Span", "assemble", "decode_text"]
 
 _SENTINEL = "RAGENSENTINELREPLY"
 _PROBE_USER = "RAGENPROBEUSER"
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    """``tokenizer.decode`` of one id sequence, typed as the str it is (transformers types the batched list too)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"decode of one sequence returned {type(text).__name__}, not str")
+    return text
 
 
 class ChatRenderer:
@@ -109,7 +117,10 @@ class ChatRenderer:
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         """The template's text for ``messages`` (the system message is added here)."""
         full = messages if messages and messages[0]["role"] == "system" else self._system() + messages
-        return self.tokenizer.apply_chat_template(full, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(full, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+        return text
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Ids of template text; the template already wrote any BOS, so none is added here."""
@@ -117,7 +128,7 @@ class ChatRenderer:
 
     def decode_reply(self, response_ids: Sequence[int]) -> str:
         """The sampled ids as text (special tokens such as the stop token removed), without the prefill."""
-        return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+        return decode_text(self.tokenizer, response_ids, skip_special_tokens=True)
 
     def reply_text(self, response_ids: Sequence[int]) -> str:
         """The assistant message as it reads: the prefill the reply continued from, then the sampled text.
@@ -163,7 +174,7 @@ class ChatRenderer:
         special = {int(i) for i in getattr(self.tokenizer, "all_special_ids", [])}
         if not ids or ids[0] not in special:
             return None, ""
-        text = self.tokenizer.decode([ids[0]], skip_special_tokens=False)
+        text = decode_text(self.tokenizer, [ids[0]], skip_special_tokens=False)
         return (ids[0], text) if tail.startswith(text) else (None, "")
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ragen_core.envs import make
+from ragen_core.rollout.chat import decode_text
 from ragen_core.rollout.generators.base import FINISH_STOP, STAT_KEYS, Generation, SamplingParams
 from ragen_core.rollout.parse import ACTION_SEP, parse_response
 from ragen_core.rollout.prompts import reply_prefill
@@ -87,7 +88,7 @@ def cut_thought(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], cap: int
     tokens and never split a character (byte-level tokens can); a character the tokenizer merged into the
     tag's first token (SmolLM2's ``' </'``) goes with the tag.
     """
-    texts = [tokenizer.decode(list(ids[:k]), skip_special_tokens=True) for k in range(len(ids) + 1)]
+    texts = [decode_text(tokenizer, ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
     full = texts[-1]
     whole = [k for k in range(len(ids) + 1) if full.startswith(texts[k])]  # cuts between characters
     tag = min((full.find(t) for t in _TAGS if t in full), default=-1)
@@ -286,7 +287,7 @@ class SelfDistillGenerator:
         ids = list(sample.token_ids)
         stopped = bool(ids) and ids[-1] in stops
         ids = ids[:-1] if stopped else ids
-        text = self._tag + self.tokenizer.decode(ids, skip_special_tokens=True)  # the reply as the model wrote it
+        text = self._tag + decode_text(self.tokenizer, ids, skip_special_tokens=True)  # the reply as the model wrote it
         k, how = cut_thought(self.tokenizer, ids, self.cap, stopped) if cfg.think else (0, "none")
         valid = self._own_actions(text, shadow)  # the reply as sampled was valid (the loop would accept it)
         own = valid if how in ("closed", "none") else None  # its answer follows the thought we keep
@@ -303,7 +304,7 @@ class SelfDistillGenerator:
             k, how = cut_thought(self.tokenizer, ids[:room], room, False)[0], "length"
         self.records.append({"turn": turn, "how": how, "thought_tokens": k, "own_actions": bool(own),
                              "valid_as_sampled": bool(valid),
-                             "thought": self.tokenizer.decode(ids[:k], skip_special_tokens=True)})
+                             "thought": decode_text(self.tokenizer, ids[:k], skip_special_tokens=True)})
         reply = self._open_ids + ids[:k] + suffix
         return Generation(token_ids=tuple(reply), logprobs=(0.0,) * len(reply), finish_reason=FINISH_STOP)
 

@@ -288,7 +288,7 @@ def _pm(mean: float | None, std: float | None) -> str:
     return "n/a" if mean is None else f"{mean:.3f} ± {std or 0.0:.3f}"
 
 
-def _md(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+def _md(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
 

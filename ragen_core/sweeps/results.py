@@ -51,9 +51,9 @@ class Table:
 
 
 def _pick(trials: list[TrialLike], maximize: bool) -> TrialLike:
-    done = [t for t in trials if t.state.name == "COMPLETE" and t.values]
+    done = [(t.values[0], t) for t in trials if t.state.name == "COMPLETE" and t.values]
     if done:
-        return (max if maximize else min)(done, key=lambda t: t.values[0])
+        return (max if maximize else min)(done, key=lambda vt: vt[0])[1]
     return max(trials, key=lambda t: (-STATE_RANK.get(t.state.name, 3), t.number))
 
 

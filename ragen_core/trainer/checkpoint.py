@@ -81,7 +81,9 @@ def _load_trainable(tensors: dict[str, torch.Tensor], *named: tuple[str, nn.Modu
 
 def rng_state() -> dict[str, Any]:
     """The global RNG states (python, numpy, torch CPU and CUDA) as tensors and plain values."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    assert isinstance(numpy_state, tuple)  # legacy=True: (kind, keys, pos, has_gauss, cached), never the dict
+    kind, keys, pos, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

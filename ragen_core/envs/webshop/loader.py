@@ -124,7 +124,9 @@ def load_webshop_json(
     if human_goals_path:
         for asin, items in _read(human_goals_path).items():
             p = by_asin.get(str(asin).upper())
-            for item in items if p else []:
+            if p is None:
+                continue
+            for item in items:
                 if item.get("instruction_attributes"):  # WebShop skips goals without attributes
                     goals.append(_goal(p, item["instruction"], item["instruction_attributes"],
                                        item.get("instruction_options", []), rng))
