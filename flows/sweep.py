@@ -27,7 +27,10 @@ from typing import Any
 
 import optuna
 from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
+from prefect.settings import get_current_settings
 
 from ragen_core.config import ConfigError, load_experiment
 from ragen_core.sweeps import (
@@ -170,9 +173,6 @@ def train_trial(plan: SweepPlan, experiment: str, overrides: list[str], parent_r
 
 def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:
     """Run the trial as a deployment run and wait; it reports to Optuna through the shared storage."""
-    from prefect.deployments import run_deployment
-    from prefect.settings import get_current_settings
-
     if not get_current_settings().api.url:
         raise ConfigError("dispatch: deployment needs a Prefect server (set PREFECT_API_URL)")
     if parameters["trial"]["storage"].startswith("sqlite"):
@@ -209,8 +209,6 @@ def worker_env() -> dict[str, str]:
     """
     env = dict(os.environ)
     if not env.get("PREFECT_API_URL"):
-        from prefect.client.orchestration import get_client
-
         with get_client(sync_client=True) as client:
             env["PREFECT_API_URL"] = str(client.api_url).rstrip("/")
     return env

@@ -151,6 +151,7 @@ def write_table(table: Table, out_dir: Path, title: str) -> dict[str, Path]:
 
 def _cost_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], path: Path, title: str) -> None:
     """Success against cost: one point per row at (generated tokens, objective), and success per 1M tokens."""
+    # lazily: matplotlib is slow to import (0.7 s) and only the plots need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -175,6 +176,7 @@ def _cost_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], path: Pa
 def _bar_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], cols: Sequence[str], path: Path,
                title: str) -> None:
     """Grouped bars: one group per row (knob setting), one bar per env column (object API, no pyplot)."""
+    # lazily: matplotlib is slow to import (0.7 s) and only the plots need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

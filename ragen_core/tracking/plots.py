@@ -32,9 +32,10 @@ def plot_curves(
     spread over seeds).
     Returns ``out_path``.
     """
-    # lazily: matplotlib is slow to import and only plotting needs it
+    # lazily: matplotlib is slow to import (0.7 s) and only plotting needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     if not metrics:
         raise ValueError("plot_curves needs at least one metric")
@@ -42,9 +43,6 @@ def plot_curves(
     nrows = math.ceil(len(metrics) / ncols)
     fig = Figure(figsize=(5.5 * ncols, 3.4 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    # lazily: matplotlib is slow to import and only plotting needs it
-    from matplotlib.ticker import MaxNLocator
-
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     # a line style and marker per run, so identical curves (e.g. two runs at 0 success) stay visible
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
