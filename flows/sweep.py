@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 import optuna
+import prefect.deployments
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 
@@ -180,7 +180,8 @@ def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:
               "a shared storage (a PostgreSQL URL)")
     relative = os.path.relpath(parameters["experiment"])  # the worker runs in its own checkout of the repo
     parameters = {**parameters, "experiment": parameters["experiment"] if relative.startswith("..") else relative}
-    run = run_deployment(plan.sweep.deployment, parameters=parameters, timeout=None)
+    # looked up on the module at call time, so that tests can stand in for the deployment run
+    run = prefect.deployments.run_deployment(plan.sweep.deployment, parameters=parameters, timeout=None)
     if run.state is None or not run.state.is_completed():
         raise RuntimeError(f"deployment run {run.name} ({run.id}) of {plan.sweep.deployment} ended "
                            f"{run.state.name if run.state else 'without a state'}")
