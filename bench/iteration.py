@@ -74,7 +74,8 @@ def main() -> None:
     }
     for k, v in sorted(share.items(), key=lambda kv: -kv[1]):
         print(f"{k:12s} {seconds[k]:8.2f} s  {v:6.1%}")
-    print(f"diagnostics share of the run: {share['diagnostics']:.1%} (measured every {every} iterations; target <= 10%)")
+    print(f"diagnostics share of the run: {share['diagnostics']:.1%} "
+          f"(measured every {every} iterations; target <= 10%)")
     print(json.dumps(result))
 
 

@@ -271,7 +271,9 @@ def bench_p3_ours(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[s
 def ensure_trl_python(venv: Path) -> Path:
     """A venv that sees this interpreter's packages (a .pth with site.addsitedir) and adds trl."""
     python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([str(python), "-c", "import trl"], check=False, capture_output=True).returncode == 0:
+    has_trl = python.exists() and subprocess.run([str(python), "-c", "import trl"], check=False,
+                                                  capture_output=True).returncode == 0
+    if has_trl:
         return python
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -324,7 +326,7 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     def bandit_reward(prompts, completions, seed, **_: Any) -> list[float]:
         out = []
-        for text, s in zip(completions, seed):
+        for text, s in zip(completions, seed, strict=True):
             parsed = parse_response(text, think=True, max_actions=1)
             env = make("Bandit")
             env.reset(seed=int(s))

@@ -68,7 +68,8 @@ def measure(label: str, spec: str, cfg: ExperimentConfig, args: argparse.Namespa
     mi = measure_collapse(model, tok, mi_trajs)
     # the same grid with every thought cut as the warm-up cuts it: the base model's own reasoning, all of it
     # (most base replies never close the block, so the plain measure sees only a few short ones)
-    cut_trajs, _ = warmup.self_distill_dialogues(model, tok, first, args.mi_states, seed_start=0, n_per_group=args.mi_samples)
+    cut_trajs, _ = warmup.self_distill_dialogues(model, tok, first, args.mi_states, seed_start=0,
+                                                 n_per_group=args.mi_samples)
     mi_cut = measure_collapse(model, tok, cut_trajs)
     say(f"{label}: validity {stats['validity']:.3f}, success {stats['success']:.3f}, entropy {stats['entropy']:.3f}, "
         f"think closed {stats['closed_think']:.2f} / {stats['think_tokens']:.1f} tokens ({sample_s:.0f} s to sample)")
@@ -76,7 +77,8 @@ def measure(label: str, spec: str, cfg: ExperimentConfig, args: argparse.Namespa
         f"H(Z|X) {mi.get('cond_entropy', float('nan')):.1f}, retrieval {mi.get('retrieval_acc', float('nan')):.3f} "
         f"(chance {mi.get('retrieval_chance', float('nan')):.3f}), {int(mi['distinct_reasonings'])} distinct thoughts "
         f"in {int(mi['n_reasonings'])} of {int(mi['n_first_turns'])} replies; matrix {mi.get('seconds', 0.0):.1f} s")
-    say(f"{label}, thoughts cut as the warm-up cuts them: I(X;Z) {mi_cut['mi']:.3f}, H(Z|X) {mi_cut['cond_entropy']:.1f}, "
+    say(f"{label}, thoughts cut as the warm-up cuts them: I(X;Z) {mi_cut['mi']:.3f}, "
+        f"H(Z|X) {mi_cut['cond_entropy']:.1f}, "
         f"retrieval {mi_cut['retrieval_acc']:.3f}, {int(mi_cut['distinct_reasonings'])} distinct in "
         f"{int(mi_cut['n_reasonings'])}")
     for text in _examples(trajs):

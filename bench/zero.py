@@ -34,7 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from update import DEFAULT_MODEL, PeakRSS, _cfg, _release_memory, synthetic_batch  # the bench's own helpers
+from update import DEFAULT_MODEL, PeakRSS, _cfg, _release_memory, synthetic_batch  # noqa: E402 -- after the sys.path line above
 
 
 def worker(out: str, stage: int, rows: int, seq_len: int, micro: int) -> None:

@@ -101,7 +101,8 @@ def sweep(
 
 @app.command()
 def study(
-    study_file: Annotated[Path, typer.Argument(help="study YAML (a sweep with group_by), e.g. studies/echo-trap-bandit.yaml")],
+    study_file: Annotated[Path, typer.Argument(
+        help="study YAML (a sweep with group_by), e.g. studies/echo-trap-bandit.yaml")],
     workers: Annotated[int, typer.Option(min=1, help="worker processes sharing the study storage")] = 1,
     set_: SetOpt = None,
 ) -> None:
@@ -171,7 +172,8 @@ def model_fetch(
     from ragen_core.models import DEFAULT_MODEL, ModelError, fetch_default_model, resolve_model
 
     try:
-        path = fetch_default_model(force=force, progress=console.print) if spec == DEFAULT_MODEL else resolve_model(spec)
+        path = (fetch_default_model(force=force, progress=console.print) if spec == DEFAULT_MODEL
+                else resolve_model(spec))
     except ModelError as e:
         _fail(str(e), code=1)
     print(path)

@@ -26,8 +26,11 @@ import time
 from typing import Any
 
 import optuna
+import prefect.deployments
 from prefect import flow
+from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
+from prefect.settings import get_current_settings
 
 from ragen_core.config import ConfigError, load_experiment
 from ragen_core.sweeps import (
@@ -170,9 +173,6 @@ def train_trial(plan: SweepPlan, experiment: str, overrides: list[str], parent_r
 
 def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:
     """Run the trial as a deployment run and wait; it reports to Optuna through the shared storage."""
-    from prefect.deployments import run_deployment
-    from prefect.settings import get_current_settings
-
     if not get_current_settings().api.url:
         raise ConfigError("dispatch: deployment needs a Prefect server (set PREFECT_API_URL)")
     if parameters["trial"]["storage"].startswith("sqlite"):
@@ -180,7 +180,8 @@ def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:
               "a shared storage (a PostgreSQL URL)")
     relative = os.path.relpath(parameters["experiment"])  # the worker runs in its own checkout of the repo
     parameters = {**parameters, "experiment": parameters["experiment"] if relative.startswith("..") else relative}
-    run = run_deployment(plan.sweep.deployment, parameters=parameters, timeout=None)
+    # looked up on the module at call time, so that tests can stand in for the deployment run
+    run = prefect.deployments.run_deployment(plan.sweep.deployment, parameters=parameters, timeout=None)
     if run.state is None or not run.state.is_completed():
         raise RuntimeError(f"deployment run {run.name} ({run.id}) of {plan.sweep.deployment} ended "
                            f"{run.state.name if run.state else 'without a state'}")
@@ -209,8 +210,6 @@ def worker_env() -> dict[str, str]:
     """
     env = dict(os.environ)
     if not env.get("PREFECT_API_URL"):
-        from prefect.client.orchestration import get_client
-
         with get_client(sync_client=True) as client:
             env["PREFECT_API_URL"] = str(client.api_url).rstrip("/")
     return env
@@ -241,7 +240,8 @@ def open_parent_run(plan: SweepPlan, study: optuna.Study, url: str, flow_run_id:
 def close_lost_runs(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> None:
     """Mark FAILED the MLflow runs of trials that failed while their run was open (a killed worker)."""
     base = load_experiment(plan.sweep.base, plan.sweep.overrides)
-    lost = [t.user_attrs["mlflow_run_id"] for t in trials if t.state.name == "FAIL" and t.user_attrs.get("mlflow_run_id")]
+    lost = [t.user_attrs["mlflow_run_id"] for t in trials
+            if t.state.name == "FAIL" and t.user_attrs.get("mlflow_run_id")]
     if not lost or base.tracking.backend == "none":
         return
     from mlflow import MlflowClient  # only when a trial was lost: mlflow takes seconds to import
@@ -265,4 +265,4 @@ def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> 
         return []
     fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics())
     return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}})
-            for f, t in zip(fetched, ran)]
+            for f, t in zip(fetched, ran, strict=True)]

@@ -149,14 +149,14 @@ def table_csv(rows: Sequence[CompareRow]) -> str:
 def run_labels(runs: Sequence[RunHistory]) -> list[str]:
     """Legend labels ``name (algo)``; a label shared by several runs gets the run id's first 8 characters."""
     base = [f"{r.name} ({r.algo})" for r in runs]
-    return [f"{b} [{r.run_id[:8]}]" if base.count(b) > 1 else b for b, r in zip(base, runs)]
+    return [f"{b} [{r.run_id[:8]}]" if base.count(b) > 1 else b for b, r in zip(base, runs, strict=True)]
 
 
 def plot_histories(runs: Sequence[RunHistory]) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """``plot_curves`` input: label -> plot title -> points (each run's own env tag picks its success metric)."""
     return {
         label: {title: list(run.histories.get(metric, ())) for title, metric in curve_metrics(run.env).items()}
-        for label, run in zip(run_labels(runs), runs)
+        for label, run in zip(run_labels(runs), runs, strict=True)
     }
 
 

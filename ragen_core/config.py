@@ -73,15 +73,19 @@ def F(default: Any, doc: str, **bounds: float) -> Any:
 class ModelConfig:
     """Which causal LM is trained and how."""
 
-    name: str = F("smollm2-135m-instruct", "model spec: 'smollm2-135m-instruct', 'tiny-random[:SEED]', a HF id or a local dir")
-    dtype: Literal["float32", "bfloat16", "float16"] = F("float32", "parameter dtype (only float32 is fast on CPUs without AVX512/AMX)")
-    device: Literal["auto", "cpu", "cuda"] = F("auto", "where the actor and critic live; auto picks cuda when available")
+    name: str = F("smollm2-135m-instruct",
+                  "model spec: 'smollm2-135m-instruct', 'tiny-random[:SEED]', a HF id or a local dir")
+    dtype: Literal["float32", "bfloat16", "float16"] = F(
+        "float32", "parameter dtype (only float32 is fast on CPUs without AVX512/AMX)")
+    device: Literal["auto", "cpu", "cuda"] = F(
+        "auto", "where the actor and critic live; auto picks cuda when available")
     warmup: Literal["none", "self_distill"] = F(
         "none", "format warm-up the run starts from (ragen model warmup; made once and cached): none, or "
                 "self_distill (the model's own sampled thoughts put in the format). The old boolean is gone: "
                 "true meant canned thoughts, which collapsed reasoning")
     warmup_steps: int = F(30, "supervised steps of the format warm-up (8 first-turn replies each, 4 per state)", ge=1)
-    warmup_lr: float = F(2e-4, "AdamW learning rate of the format warm-up (full fine-tuning, decayed linearly to 0)", gt=0.0)
+    warmup_lr: float = F(2e-4, "AdamW learning rate of the format warm-up (full fine-tuning, decayed linearly to 0)",
+                         gt=0.0)
     warmup_rollout: dict[str, Any] = F(
         {}, "rollout settings the format warm-up is built with instead of the run's (for example "
             "{max_actions_per_turn: 5, max_actions_per_episode: 10}: one warmed model shared by every row of an "
@@ -133,7 +137,8 @@ class RolloutConfig:
     think: bool = F(True, "ask for <think>..</think><answer>..</answer>; False is the NoThink variant (<answer> only)")
     prefill: bool = F(True, "end every generation prompt with <think> (<answer> in NoThink) as untrained context, "
                             "as the reference does; False lets the model open the tag itself")
-    format_penalty: float = F(-0.1, "added to a turn's reward when its reply does not parse or names no/unknown actions", le=0.0)
+    format_penalty: float = F(
+        -0.1, "added to a turn's reward when its reply does not parse or names no/unknown actions", le=0.0)
     format_reward: float = F(0.0, "optional partial credit added for a reply that parses (0 disables)", ge=0.0)
     reward_placement: Literal["auto", "last", "turn"] = F(
         "auto", "trajectory reward on the last generated token, or each turn's on that turn's last token; "
@@ -173,8 +178,10 @@ class AlgorithmConfig:
         "seq-mean-token-mean", "aggregation of the policy, entropy and value losses: seq-mean-token-mean is the "
                                "paper's objective (mean over a trajectory's tokens, then over trajectories)")
     value_clip: float = F(0.5, "clip range of the value loss", gt=0.0)
-    value_coef: float = F(0.5, "weight of the value loss when the critic is a head on the actor (one shared backward)", ge=0.0)
-    critic: Literal["separate", "head", "none"] = F("separate", "critic: a separate model, a value head on the actor, or none (GRPO)")
+    value_coef: float = F(0.5, "weight of the value loss when the critic is a head on the actor (one shared backward)",
+                          ge=0.0)
+    critic: Literal["separate", "head", "none"] = F(
+        "separate", "critic: a separate model, a value head on the actor, or none (GRPO)")
     filter_strategy: Literal["none", "top_k", "top_k_abs", "top_p", "min_p"] = F(
         "none", "which prompt groups to train on (algos.filtering.select_groups): none (all), top_k (a fraction "
                 "of P: StarPO-S 0.25), top_k_abs (a count), top_p (RAGEN-2's nucleus), min_p")
@@ -257,7 +264,8 @@ class HealthConfig:
 
     action: Literal["warn", "stop", "off"] = F("warn", "what to do when collapse is detected")
     baseline_iters: int = F(5, "iterations that define the early-run level", ge=1)
-    std_drop: float = F(0.3, "warn when in-group reward std falls below this fraction of its early level", gt=0.0, le=1.0)
+    std_drop: float = F(0.3, "warn when in-group reward std falls below this fraction of its early level",
+                        gt=0.0, le=1.0)
     entropy_drop: float = F(0.5, "warn when entropy falls below this fraction of its early level", gt=0.0, le=1.0)
     grad_z: float = F(4.0, "a grad-norm z-score above this counts as a spike", gt=0.0)
     patience: int = F(3, "consecutive unhealthy iterations before acting", ge=1)
@@ -326,7 +334,8 @@ class ExperimentConfig:
             raise ConfigError(f"algorithm.filter_value: {a.filter_value} is out of range for top_k (a fraction); "
                               "must be <= 1.0 (use top_k_abs for a count)")
         if a.estimator == "grpo" and r.responses_per_prompt < 2:
-            raise ConfigError("algorithm.estimator: grpo normalises within a group; rollout.responses_per_prompt must be >= 2")
+            raise ConfigError("algorithm.estimator: grpo normalises within a group; "
+                              "rollout.responses_per_prompt must be >= 2")
         if a.estimator in ("gae", "bilevel_gae") and a.critic == "none":
             raise ConfigError(f"algorithm.critic: estimator {a.estimator!r} needs a critic; use 'separate' or 'head'")
         if r.max_actions_per_turn > r.max_actions_per_episode:
@@ -342,8 +351,9 @@ class ExperimentConfig:
         if "stage" in (self.trainer.deepspeed.get("zero_optimization") or {}):
             owned.append("zero_optimization.stage")
         if owned:
-            raise ConfigError(f"trainer.deepspeed: {', '.join(owned)} come from ragen's own settings (micro_batch_size, "
-                              "grad_clip, zero_stage; AdamW in fp32); remove them from trainer.deepspeed")
+            raise ConfigError(f"trainer.deepspeed: {', '.join(owned)} come from ragen's own settings "
+                              "(micro_batch_size, grad_clip, zero_stage; AdamW in fp32); "
+                              "remove them from trainer.deepspeed")
 
     @property
     def warmup_rollout_config(self) -> RolloutConfig:
@@ -426,8 +436,10 @@ class SweepConfig:
     base: str = F("", "path of the base experiment YAML (relative to the sweep file)")
     overrides: tuple[str, ...] = F((), "key=value overrides applied to the base for every trial")
     space: dict[str, Any] = F({}, "search space: key -> list of choices, or {low, high, log, step}")
-    knobs: dict[str, Any] = F({}, "named paper knobs: responses_per_prompt, actions_per_turn, online_k -> list of values")
-    objective: Literal["final", "best", "auc"] = F("final", "validation success to optimise: final, best, or area under the curve")
+    knobs: dict[str, Any] = F(
+        {}, "named paper knobs: responses_per_prompt, actions_per_turn, online_k -> list of values")
+    objective: Literal["final", "best", "auc"] = F(
+        "final", "validation success to optimise: final, best, or area under the curve")
     cost_objective: Literal["none", "generated_tokens", "seconds"] = F("none", "optional second objective (minimised)")
     direction: Literal["maximize", "minimize"] = F("maximize", "direction of the main objective")
     n_trials: int | None = F(None, "trials; None means the full grid for the grid sampler", ge=1)
@@ -437,14 +449,19 @@ class SweepConfig:
     storage: str | None = F(None, "SQLAlchemy URL; None means sqlite:///$RAGEN_DATA_DIR/optuna.db")
     heartbeat_seconds: int = F(30, "a trial whose worker is silent this long is marked FAIL", ge=1)
     seed: int = F(0, "sampler seed", ge=0)
-    bases: tuple[str, ...] = F((), "further base experiments (relative to the sweep file): each setting runs on every base, a grid dimension named 'base'")
-    metric: str = F("val/success", "validation metric reported to Optuna per evaluation and optimised (a key of history.jsonl)")
-    pruner_startup_trials: int = F(5, "finished trials before the pruner may stop one (Optuna's n_startup_trials)", ge=0)
+    bases: tuple[str, ...] = F((), "further base experiments (relative to the sweep file): each setting runs on every "
+                                   "base, a grid dimension named 'base'")
+    metric: str = F("val/success",
+                    "validation metric reported to Optuna per evaluation and optimised (a key of history.jsonl)")
+    pruner_startup_trials: int = F(5, "finished trials before the pruner may stop one (Optuna's n_startup_trials)",
+                                   ge=0)
     retries: int = F(1, "times a trial whose worker died (heartbeat lost) runs again as a new trial", ge=0)
     prune_on_health: bool = F(True, "prune a trial whose run a health check stopped (health.* rules with "
                                     "action stop: Echo Trap, RAGEN-2's early stops, template collapse)")
-    dispatch: Literal["local", "deployment"] = F("local", "run trials in the sweep's worker processes, or as runs of a Prefect deployment")
-    deployment: str = F("ragen-train/ragen-train", "deployment (flow/deployment) of the train flow used when dispatch is deployment")
+    dispatch: Literal["local", "deployment"] = F(
+        "local", "run trials in the sweep's worker processes, or as runs of a Prefect deployment")
+    deployment: str = F("ragen-train/ragen-train",
+                        "deployment (flow/deployment) of the train flow used when dispatch is deployment")
     group_by: str | None = F(None, "a study (ragen study): aggregate the trials' runs by this parameter or tag "
                                    "(preset): mean and band over seeds, a table per group, the monitor judged")
     collapse_drop: float = F(0.15, "a study: a run collapsed when its validation success ended this far below "
@@ -475,7 +492,8 @@ def load_sweep(path: str | os.PathLike[str], overrides: typing.Sequence[str] = (
     if not base.exists():
         base = Path(cfg.base)  # also accept a path relative to the working directory
     if not base.exists():
-        raise ConfigError(f"base: experiment file {cfg.base!r} not found (looked beside {p} and in the working directory)")
+        raise ConfigError(f"base: experiment file {cfg.base!r} not found "
+                          f"(looked beside {p} and in the working directory)")
     return dataclasses.replace(cfg, base=str(base))
 
 
@@ -580,20 +598,30 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if value not in args:
             raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {list(args)}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a schema names classes, never instances
         return build_config(tp, value, path)
     if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {_tname(value)}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{path}: expected a list of {len(args)} values, got {len(value)}")
-        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return _coerce_tuple(args, value, path)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {_tname(value)}")
         return dict(value)
+    return _coerce_scalar(tp, value, path)
+
+
+def _coerce_tuple(args: tuple[Any, ...], value: Any, path: str) -> tuple[Any, ...]:
+    """A YAML list as a tuple[X, ...] or a fixed-length tuple[X, Y], each item coerced."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list, got {_tname(value)}")
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if len(value) != len(args):
+        raise ConfigError(f"{path}: expected a list of {len(args)} values, got {len(value)}")
+    return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+
+
+def _coerce_scalar(tp: Any, value: Any, path: str) -> Any:
+    """bool, int, float or str, checked strictly (a YAML true is no integer, 1 is no bool)."""
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: expected true or false, got {value!r}")

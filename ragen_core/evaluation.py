@@ -283,7 +283,7 @@ def write_report(report: EvalReport, out_dir: Path) -> tuple[Path, Path]:
     """Write ``eval.json`` and ``eval.md`` into ``out_dir`` (temp file + rename); returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = (out_dir / "eval.json", out_dir / "eval.md")
-    for path, text in zip(paths, (json.dumps(report_dict(report), indent=2), format_table(report))):
+    for path, text in zip(paths, (json.dumps(report_dict(report), indent=2), format_table(report)), strict=True):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(text)
         tmp.replace(path)

@@ -300,7 +300,8 @@ def diagnose(sess: Session, rollouts: RolloutBatch) -> dict[str, float]:
     for scope, m in scopes.items():
         if "marginal_std" in m:  # the EMA-normalised z-score (RAGEN-2 reference metrics, §7.3)
             prev = sess.collapse_ema.get(scope)
-            ema = m["marginal_std"] if prev is None else d.collapse_ema * prev + (1 - d.collapse_ema) * m["marginal_std"]
+            ema = (m["marginal_std"] if prev is None
+                   else d.collapse_ema * prev + (1 - d.collapse_ema) * m["marginal_std"])
             sess.collapse_ema[scope] = ema
             m = {**m, "marginal_std_ema": ema, "mi_zscore_ema": m["mi"] / (ema + MI_ZSCORE_EPS)}
         out.update({f"collapse/{scope}/{k}": float(v) for k, v in m.items()})
@@ -402,7 +403,8 @@ def record_final_eval(sess: Session, val: dict[str, float]) -> None:
     sess.logger.log_metrics(val, step=sess.iteration)
     sess.history.append(row)
     sess.folder.append_history(row)
-    sess.say(f"final evaluation after {sess.iteration} iterations | val success {val.get('val/success', float('nan')):.2f}")
+    sess.say(f"final evaluation after {sess.iteration} iterations | "
+             f"val success {val.get('val/success', float('nan')):.2f}")
 
 
 def run_iteration(sess: Session) -> dict[str, float]:
@@ -477,7 +479,10 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
     sess.logger.set_tags({"stop_reason": sess.stop_reason} if sess.stop_reason else {})
     sess.logger.close(status)
     uri = tracking_uri or ""
-    fmt = (lambda v: "n/a" if v is None else f"{v:.2f}")
+
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
     summary = (f"run {sess.name}: {sess.iteration} iterations, val success first {fmt(first)} -> last {fmt(last)}"
                + (f", stopped: {sess.stop_reason}" if sess.stop_reason else "")
                + f"\nrun directory: {sess.run_dir}"

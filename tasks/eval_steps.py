@@ -22,13 +22,14 @@ log = logging.getLogger("ragen")
 
 
 @task(name="evaluate-weights", cache_policy=NO_CACHE)
-def evaluate_weights(cfg: ExperimentConfig, target: evaluation.EvalTarget, envs: tuple[EnvConfig, ...], seeds: int | None,
-                     progress: Callable[[int, int], None] | None = None) -> evaluation.EvalReport:
+def evaluate_weights(cfg: ExperimentConfig, target: evaluation.EvalTarget, envs: tuple[EnvConfig, ...],
+                     seeds: int | None, progress: Callable[[int, int], None] | None = None) -> evaluation.EvalReport:
     return evaluation.evaluate_target(cfg, target, envs, seeds, progress)
 
 
 @task(name="log-evaluation", cache_policy=NO_CACHE)
-def log_evaluation(uri: str | None, run_id: str | None, report: evaluation.EvalReport, files: list[Path], step: int) -> str:
+def log_evaluation(uri: str | None, run_id: str | None, report: evaluation.EvalReport, files: list[Path],
+                   step: int) -> str:
     """Metrics and files onto the run's own MLflow run; returns one line saying where they went."""
     if uri is None or run_id is None:
         return "not logged to MLflow: this run has no MLflow run (tracking.backend none, or never created)"

@@ -71,7 +71,8 @@ def publish_results(plan: SweepPlan, study: Study, parent: MetricLogger, url: st
         parent.set_tags({"pareto_trials": ",".join(map(str, front))})
         best_line = f"Pareto-optimal trials ({sweep.metric} vs {sweep.cost_objective}): {front}"
     parent.flush()
-    counts = {s.name: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    counts = {s.name: sum(t.state == s for t in trials)
+              for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
     return "\n".join([
         (f"study {sweep.name}: {len(trials)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())}) "
         f"in {redact(url)}"),

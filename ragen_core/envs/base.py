@@ -73,7 +73,8 @@ class TextEnv(gym.Env[str, str]):
     game only writes its rules.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    # gymnasium's Env annotates metadata as an instance variable; it is class-level data there too
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}  # type: ignore[misc]
     name: str = "TextEnv"
     """Registered name / env tag (set by ``make``)."""
     free_form_actions: ClassVar[bool] = False
@@ -191,7 +192,7 @@ class TextEnv(gym.Env[str, str]):
         info.update(outcome.info)
         return self.render(), reward, self._terminated, self._truncated, info
 
-    def render(self) -> str:  # type: ignore[override]
+    def render(self) -> str:
         """The current observation string (identical to what reset/step returned last)."""
         raise NotImplementedError
 

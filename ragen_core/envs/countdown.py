@@ -151,7 +151,13 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[Fraction]]:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as exc:
         raise ValueError(f"not an arithmetic expression ({type(exc).__name__})") from None
-    nodes = list(ast.walk(tree.body))
+    literals = _checked_literals(tree.body)  # before _evaluate, which trusts the tree
+    return _evaluate(tree.body), literals
+
+
+def _checked_literals(body: ast.expr) -> list[Fraction]:
+    """The number literals of a parsed answer; raises ValueError on any node outside the whitelist."""
+    nodes = list(ast.walk(body))
     if len(nodes) > _MAX_NODES:
         raise ValueError("expression too large")
     literals: list[Fraction] = []
@@ -167,15 +173,16 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[Fraction]]:
         elif isinstance(node, ast.UnaryOp):
             if not isinstance(node.op, (ast.UAdd, ast.USub)):
                 # ValueError (not TypeError) throughout: this judges an answer, it is no API misuse.
-                raise ValueError(f"operator not allowed: {type(node.op).__name__}")  # noqa: TRY004
+                raise ValueError(f"operator not allowed: {type(node.op).__name__}")
         elif not isinstance(node, (ast.operator, ast.unaryop)):
-            raise ValueError(f"syntax not allowed: {type(node).__name__}")  # noqa: TRY004
-    return _evaluate(tree.body), literals
+            raise ValueError(f"syntax not allowed: {type(node).__name__}")
+    return literals
 
 
 def _evaluate(node: ast.expr) -> Fraction | None:
     """Exact value of an already-validated tree (None on division by zero)."""
     if isinstance(node, ast.Constant):
+        assert isinstance(node.value, int | float)  # _checked_literals let only numbers through
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp):
         v = _evaluate(node.operand)

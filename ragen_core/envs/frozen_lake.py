@@ -58,7 +58,7 @@ def generate_map(rng: np.random.Generator, size: int = 4, p_frozen: float = 0.8,
     """A gymnasium-style map (rows of S/F/H/G) with a reachable goal."""
     for _ in range(max_tries):
         frozen = rng.random((size, size)) < p_frozen
-        cells = [(int(r), int(c)) for r, c in zip(*np.nonzero(frozen))]  # row-major, deterministic
+        cells = [(int(r), int(c)) for r, c in zip(*np.nonzero(frozen), strict=True)]  # row-major, deterministic
         if len(cells) < 2:
             continue
         i, j = rng.choice(len(cells), size=2, replace=False)
@@ -98,7 +98,7 @@ class FrozenLakeEnv(TextEnv):
 
     @property
     def legend(self) -> dict[str, str]:
-        return dict(zip(self.symbols, _MEANINGS))
+        return dict(zip(self.symbols, _MEANINGS, strict=True))
 
     @property
     def lake_map(self) -> list[str]:
@@ -151,7 +151,7 @@ class FrozenLakeEnv(TextEnv):
     def render(self) -> str:
         if not self._map:
             return ""
-        player, frozen, hole, goal, player_hole, player_goal = self.symbols
+        player, frozen, hole, goal, player_hole, player_goal = tuple(self.symbols)
         plain = {"S": frozen, "F": frozen, "H": hole, "G": goal}
         on = {"S": player, "F": player, "H": player_hole, "G": player_goal}
         return "\n".join(

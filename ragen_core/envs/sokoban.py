@@ -115,7 +115,8 @@ def _carve_room(rng: np.random.Generator, height: int, width: int, n_steps: int)
     return frozenset(floor)
 
 
-def _reverse_bfs(floor: frozenset[Pos], targets: frozenset[Pos], max_depth: int) -> dict[tuple[Pos, frozenset[Pos]], int]:
+def _reverse_bfs(floor: frozenset[Pos], targets: frozenset[Pos],
+                 max_depth: int) -> dict[tuple[Pos, frozenset[Pos]], int]:
     """Exhaustive reverse play: every state within ``max_depth`` reverse moves of a solved state.
 
     Sources are the solved box placement with the player on any free floor cell. A reverse move
@@ -240,12 +241,12 @@ def _reverse_search(
             continue
         # The reference's state identity: player and box cells, and which boxes were ever pulled
         # (box identities are not part of it, so the first path to a state decides its score).
-        key = (p, frozenset(zip(boxes, pulled)))
+        key = (p, frozenset(zip(boxes, pulled, strict=True)))
         if key in explored:
             continue
         explored.add(key)
         if swaps and p not in target_set and target_set.isdisjoint(boxes):
-            displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+            displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets, strict=True))
             if swaps * displacement > best[2]:
                 best = (p, boxes, swaps * displacement)
         children = []
@@ -345,7 +346,7 @@ def generate_reference_level(
         player, boxes, score = _reverse_search(floor, targets, player, search_depth)
         if score == 0:  # no pull got every box off the targets: the reference tries another room
             continue
-        displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+        displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets, strict=True))
         box_set = frozenset(boxes)
         player = _wander(rng, floor, box_set, player, p_move=0.8 if displacement == 1 else 0.5)
         level = SokobanLevel(height, width, floor, frozenset(targets), box_set, player)
@@ -375,7 +376,7 @@ def generate_level(rng: np.random.Generator, height: int = 6, width: int = 6, n_
 def parse_level(text: str | Sequence[str], symbols: str = DEFAULT_SYMBOLS) -> SokobanLevel:
     """Read a level drawn with ``symbols`` (wall, empty, target, box on target, box, player, player on target)."""
     rows = text.strip("\n").split("\n") if isinstance(text, str) else list(text)
-    wall, _empty, target, box_t, box, player, player_t = symbols
+    wall, _empty, target, box_t, box, player, player_t = tuple(symbols)
     floor, targets, boxes, players = set(), set(), set(), []
     for r, row in enumerate(rows):
         for c, ch in enumerate(row):
@@ -454,7 +455,7 @@ class SokobanEnv(TextEnv):
 
     @property
     def legend(self) -> dict[str, str]:
-        return dict(zip(self.symbols, _MEANINGS))
+        return dict(zip(self.symbols, _MEANINGS, strict=True))
 
     @property
     def level(self) -> SokobanLevel:
@@ -517,7 +518,7 @@ class SokobanEnv(TextEnv):
     def render(self) -> str:
         if self._level is None:
             return ""
-        wall, empty, target, box_t, box, player, player_t = self.symbols
+        wall, empty, target, box_t, box, player, player_t = tuple(self.symbols)
         lv = self._level
         rows = []
         for r in range(lv.height):

@@ -41,7 +41,8 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-"""The ChatML chat template (``<|im_start|>role\\n...<|im_end|>\\n``): the tiny tokenizer's, and the fallback of a GGUF without one."""
+"""The ChatML chat template (``<|im_start|>role\\n...<|im_end|>\\n``): the tiny tokenizer's, and the fallback of a
+GGUF without one."""
 
 # Text the tiny tokenizer's BPE merges are learned from: the shapes of every game's prompts,
 # grids and answers (SPEC §2-§3), so that prompts tokenize to a realistic few hundred tokens.

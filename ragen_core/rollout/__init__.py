@@ -9,7 +9,8 @@ Modules: ``parse`` (replies → actions), ``prompts`` (the words), ``chat`` (the
 stop tokens and spans: the only model-specific code), ``context`` (window and hard cap), ``loop``
 (``run_rollouts``), ``batch`` (``build_token_batch``), ``evaluate``, ``metrics``, ``generators``
 (hf / vllm backends), and generators without a model of their own: ``scripted`` (scripted replies, for
-tests) and ``format_generators`` (replies in the required format, the format warm-up's data). Names are imported lazily, so ``import ragen_core.rollout`` loads nothing heavy.
+tests) and ``format_generators`` (replies in the required format, the format warm-up's data). Names are
+imported lazily, so ``import ragen_core.rollout`` loads nothing heavy.
 The function ``evaluate`` is not exported here: ``ragen_core.rollout.evaluate`` is its module (a
 package attribute that Python rebinds to the submodule as soon as anything imports it).
 

@@ -148,7 +148,7 @@ def build_token_batch(
     rewards = torch.zeros((B, width), dtype=torch.float32)
     turn_ids = torch.full((B, width), -1, dtype=torch.long)
     turn_ends = torch.zeros((B, width), dtype=torch.bool)
-    for b, (row, traj) in enumerate(zip(rows, trajectories)):
+    for b, (row, traj) in enumerate(zip(rows, trajectories, strict=True)):
         n = len(row)
         input_ids[b, :n] = torch.tensor(row.input_ids, dtype=torch.long)
         attention_mask[b, :n] = True
@@ -174,7 +174,8 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 
-def mask_problems(batch: TokenBatch, trajectories: Sequence[Trajectory], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+def mask_problems(batch: TokenBatch, trajectories: Sequence[Trajectory],
+                  tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """What is wrong with ``batch``'s masks for ``trajectories`` (empty when nothing is).
 
     Independent of how the rows were built: it only uses the trajectories and the tokenizer.

@@ -47,10 +47,18 @@ from jinja2.exceptions import TemplateError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["ChatRenderer", "RenderedSequence", "Span", "assemble"]
+__all__ = ["ChatRenderer", "RenderedSequence", "Span", "assemble", "decode_text"]
 
 _SENTINEL = "RAGENSENTINELREPLY"
 _PROBE_USER = "RAGENPROBEUSER"
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    """``tokenizer.decode`` of one id sequence, typed as the str it is (transformers types the batched list too)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"decode of one sequence returned {type(text).__name__}, not str")
+    return text
 
 
 class ChatRenderer:
@@ -67,7 +75,8 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.prefill = prefill
-        """Text after every generation prompt that the reply continues from (``<think>``; SPEC §3): context, never trained."""
+        """Text after every generation prompt that the reply continues from (``<think>``; SPEC §3): context, never
+        trained."""
         self._system_role = self._supports_system_role()
         tail = self._tail("x")
         self.end_of_turn_id, self.end_of_turn_text = self._end_of_turn(tail)
@@ -98,7 +107,8 @@ class ChatRenderer:
     def messages(self, first_user_text: str, replies: Sequence[str], user_texts: Sequence[str]) -> list[dict[str, str]]:
         """The chat messages equivalent to a rendered dialogue (for reading and for template checks)."""
         out = self._system() + [self._user(first_user_text, first=True)]
-        for reply, user in zip(replies, list(user_texts) + [None]):
+        # user_texts has one text per reply, or one fewer (none yet after the last reply): the None pads that case
+        for reply, user in zip(replies, list(user_texts) + [None], strict=False):
             out.append({"role": "assistant", "content": reply})
             if user is not None:
                 out.append({"role": "user", "content": user})
@@ -107,7 +117,10 @@ class ChatRenderer:
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         """The template's text for ``messages`` (the system message is added here)."""
         full = messages if messages and messages[0]["role"] == "system" else self._system() + messages
-        return self.tokenizer.apply_chat_template(full, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(full, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+        return text
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Ids of template text; the template already wrote any BOS, so none is added here."""
@@ -115,7 +128,7 @@ class ChatRenderer:
 
     def decode_reply(self, response_ids: Sequence[int]) -> str:
         """The sampled ids as text (special tokens such as the stop token removed), without the prefill."""
-        return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+        return decode_text(self.tokenizer, response_ids, skip_special_tokens=True)
 
     def reply_text(self, response_ids: Sequence[int]) -> str:
         """The assistant message as it reads: the prefill the reply continued from, then the sampled text.
@@ -151,7 +164,8 @@ class ChatRenderer:
         text = self.render(probe, add_generation_prompt=True)
         at = text.find(_SENTINEL)
         if at < 0:
-            raise ValueError("the chat template drops assistant messages from the history; it cannot render multi-turn episodes")
+            raise ValueError("the chat template drops assistant messages from the history; "
+                             "it cannot render multi-turn episodes")
         return text[at + len(_SENTINEL):]
 
     def _end_of_turn(self, tail: str) -> tuple[int | None, str]:
@@ -160,7 +174,7 @@ class ChatRenderer:
         special = {int(i) for i in getattr(self.tokenizer, "all_special_ids", [])}
         if not ids or ids[0] not in special:
             return None, ""
-        text = self.tokenizer.decode([ids[0]], skip_special_tokens=False)
+        text = decode_text(self.tokenizer, [ids[0]], skip_special_tokens=False)
         return (ids[0], text) if tail.startswith(text) else (None, "")
 
 
@@ -231,7 +245,8 @@ def assemble(
     """
     n = len(prompt_ids)
     if len(response_ids) not in (n, n - 1) or len(logprobs) != len(response_ids):
-        raise ValueError(f"{n} prompts need {n} or {n - 1} responses with logprobs, got {len(response_ids)}/{len(logprobs)}")
+        raise ValueError(f"{n} prompts need {n} or {n - 1} responses with logprobs, "
+                         f"got {len(response_ids)}/{len(logprobs)}")
     if not 0 <= start < n:
         raise ValueError(f"start turn {start} is outside 0..{n - 1}")
     spans = [Span(tuple(head_ids), False, start)]

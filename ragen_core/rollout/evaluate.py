@@ -40,7 +40,8 @@ class EvalResult:
     """Metrics and the trajectories they were computed from."""
 
     metrics: dict[str, float]
-    """``<prefix>/<tag>/success``, ``/return``, ``/total_return``, ``/pass_at_N`` per env, and ``<prefix>/success`` overall."""
+    """``<prefix>/<tag>/success``, ``/return``, ``/total_return``, ``/pass_at_N`` per env, and ``<prefix>/success``
+    overall."""
     trajectories: tuple[Trajectory, ...]
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ragen_core.envs import make
+from ragen_core.rollout.chat import decode_text
 from ragen_core.rollout.generators.base import FINISH_STOP, STAT_KEYS, Generation, SamplingParams
 from ragen_core.rollout.parse import ACTION_SEP, parse_response
 from ragen_core.rollout.prompts import reply_prefill
@@ -87,7 +88,7 @@ def cut_thought(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], cap: int
     tokens and never split a character (byte-level tokens can); a character the tokenizer merged into the
     tag's first token (SmolLM2's ``' </'``) goes with the tag.
     """
-    texts = [tokenizer.decode(list(ids[:k]), skip_special_tokens=True) for k in range(len(ids) + 1)]
+    texts = [decode_text(tokenizer, ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
     full = texts[-1]
     whole = [k for k in range(len(ids) + 1) if full.startswith(texts[k])]  # cuts between characters
     tag = min((full.find(t) for t in _TAGS if t in full), default=-1)
@@ -176,7 +177,8 @@ def _random_count(shadow: _Shadow, cfg: RolloutConfig, rng: np.random.Generator)
     reply against the state before the turn, and their valid actions change with the state)."""
     if shadow.done:
         raise RuntimeError("the rollout loop asked for a reply after the shadow episode ended: they drifted apart")
-    most = 1 if shadow.env.free_form_actions else min(cfg.max_actions_per_turn, cfg.max_actions_per_episode - shadow.used)
+    most = (1 if shadow.env.free_form_actions
+            else min(cfg.max_actions_per_turn, cfg.max_actions_per_episode - shadow.used))
     return int(rng.integers(1, most + 1))
 
 
@@ -240,9 +242,9 @@ class SelfDistillGenerator:
     stop token. ACTIONS: the model's own when its reply parsed and every named action exists (envs with a
     fixed action list), else random valid ones; either way stepped in the episode's shadow env first.
     Log-probs are 0.0 (the warm-up is supervised). ``records`` has one dict per reply: its turn index,
-    how its thought ended, the thought and its token count, whether the actions were the model's own, and whether the reply as sampled
-    was already valid (parsed, only existing actions; in free-form envs, whose actions are judged by
-    stepping, this and own answers are not used: always False, random actions).
+    how its thought ended, the thought and its token count, whether the actions were the model's own, and whether
+    the reply as sampled was already valid (parsed, only existing actions; in free-form envs, whose actions are
+    judged by stepping, this and own answers are not used: always False, random actions).
     """
 
     def __init__(self, inner: Generator, tokenizer: PreTrainedTokenizerBase, env_cfg: EnvConfig,
@@ -266,8 +268,9 @@ class SelfDistillGenerator:
         inner_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, self.cap + ANSWER_ROOM))
         samples = self.inner.generate([list(p) + self._open_ids for p in prompts], inner_params, session_ids)
         turns = [self._turns.get(sid, 0) for sid in session_ids or ()]
-        self._turns.update({sid: t + 1 for sid, t in zip(session_ids or (), turns)})
-        return [self._reply(shadow, sample, params, turn) for shadow, sample, turn in zip(shadows, samples, turns)]
+        self._turns.update({sid: t + 1 for sid, t in zip(session_ids or (), turns, strict=True)})
+        return [self._reply(shadow, sample, params, turn)
+                for shadow, sample, turn in zip(shadows, samples, turns, strict=True)]
 
     def end_sessions(self, session_ids: Iterable[Hashable]) -> None:
         self.inner.end_sessions(session_ids)
@@ -284,7 +287,7 @@ class SelfDistillGenerator:
         ids = list(sample.token_ids)
         stopped = bool(ids) and ids[-1] in stops
         ids = ids[:-1] if stopped else ids
-        text = self._tag + self.tokenizer.decode(ids, skip_special_tokens=True)  # the reply as the model wrote it
+        text = self._tag + decode_text(self.tokenizer, ids, skip_special_tokens=True)  # the reply as the model wrote it
         k, how = cut_thought(self.tokenizer, ids, self.cap, stopped) if cfg.think else (0, "none")
         valid = self._own_actions(text, shadow)  # the reply as sampled was valid (the loop would accept it)
         own = valid if how in ("closed", "none") else None  # its answer follows the thought we keep
@@ -301,7 +304,7 @@ class SelfDistillGenerator:
             k, how = cut_thought(self.tokenizer, ids[:room], room, False)[0], "length"
         self.records.append({"turn": turn, "how": how, "thought_tokens": k, "own_actions": bool(own),
                              "valid_as_sampled": bool(valid),
-                             "thought": self.tokenizer.decode(ids[:k], skip_special_tokens=True)})
+                             "thought": decode_text(self.tokenizer, ids[:k], skip_special_tokens=True)})
         reply = self._open_ids + ids[:k] + suffix
         return Generation(token_ids=tuple(reply), logprobs=(0.0,) * len(reply), finish_reason=FINISH_STOP)
 

@@ -155,15 +155,15 @@ def run_rollouts(
         for turn in range(rollout_cfg.max_turns):
             live = [ep for ep in episodes if not ep.done]
             contexts = [_next_context(ep, renderer, rollout_cfg, budget) for ep in live]
-            rows = [(ep, ctx) for ep, ctx in zip(live, contexts) if ctx is not None]
-            _end_sessions(generator, [ep for ep, ctx in zip(live, contexts) if ctx is None])
+            rows = [(ep, ctx) for ep, ctx in zip(live, contexts, strict=True) if ctx is not None]
+            _end_sessions(generator, [ep for ep, ctx in zip(live, contexts, strict=True) if ctx is None])
             if rows:
                 params = SamplingParams(temperature=temp, top_p=rollout_cfg.top_p,
                                         max_new_tokens=rollout_cfg.max_new_tokens,
                                         stop_token_ids=renderer.stop_token_ids, seed=_turn_seed(sampling_seed, turn))
                 gens = generator.generate([ctx.input_ids for _, ctx in rows], params,
                                           session_ids=[ep.session for ep, _ in rows])
-                for (ep, _), gen in zip(rows, gens):
+                for (ep, _), gen in zip(rows, gens, strict=True):
                     _apply_reply(ep, gen, renderer, rollout_cfg)
                 _end_sessions(generator, [ep for ep, _ in rows if ep.done])
             if progress is not None:
@@ -203,7 +203,8 @@ def _turn_seed(sampling_seed: int | None, turn: int) -> int | None:
     return int(np.random.SeedSequence([int(sampling_seed), turn]).generate_state(1)[0])
 
 
-def _next_context(ep: _Episode, renderer: ChatRenderer, cfg: RolloutConfig, budget: int | None) -> RenderedSequence | None:
+def _next_context(ep: _Episode, renderer: ChatRenderer, cfg: RolloutConfig,
+                  budget: int | None) -> RenderedSequence | None:
     """Append this turn's user message and return the guarded context, or None (episode ends)."""
     j = len(ep.turns)
     prev = ep.turns[-1] if ep.turns else None

@@ -77,7 +77,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/actions_per_episode": _mean([float(t.n_actions) for t in trajectories]),
         "rollout/turns_per_episode": _mean([float(len(t.turns)) for t in trajectories]),
         "rollout/valid_action_ratio": recognised / named if named else 0.0,
-        "rollout/effective_action_ratio": sum(t.n_effective_actions for t in trajectories) / executed if executed else 0.0,
+        "rollout/effective_action_ratio": (sum(t.n_effective_actions for t in trajectories) / executed
+                                           if executed else 0.0),
         "rollout/format_ok_ratio": _mean([float(x.parse_ok) for x in turns]),
         "rollout/truncated_ratio": _mean([float(t.truncated) for t in trajectories]),
         "rollout/dropped_turns_mean": _mean([float(t.dropped_turns) for t in trajectories]),

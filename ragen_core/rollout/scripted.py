@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ragen_core.rollout.chat import decode_text
 from ragen_core.rollout.generators.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -75,7 +76,7 @@ class ScriptedGenerator:
 
     def _reply(self, call: int, row: int, prompt: Sequence[int], params: SamplingParams) -> Generation:
         text = self.script if isinstance(self.script, str) else self.script(call, row, prompt)
-        text = _continuation(text, self.tokenizer.decode(list(prompt[-8:])))
+        text = _continuation(text, decode_text(self.tokenizer, prompt[-8:]))
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         ids += list(params.stop_token_ids[:1])
         finish = FINISH_STOP if params.stop_token_ids else FINISH_LENGTH

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,28 +71,26 @@ TURN_TYPE = pa.struct([
 ])
 """One ``types.Turn``; field names are the dataclass's."""
 
-SCHEMA = pa.schema(
-    [
-        ("schema_version", pa.int32()),
-        ("env_tag", pa.string()),
-        ("seed", pa.int64()),
-        ("group_id", pa.int64()),
-        ("success", pa.bool_()),
-        ("terminated", pa.bool_()),
-        ("truncated", pa.bool_()),
-        ("dropped_turns", pa.int32()),
-        ("kept", pa.bool_()),
-        ("env_return", pa.float64()),
-        ("total_return", pa.float64()),
-        ("n_turns", pa.int32()),
-        ("n_actions", pa.int32()),
-        ("prompt_tokens", pa.int32()),
-        ("response_tokens", pa.int32()),
-        ("meta_json", pa.string()),
-        ("turns", pa.list_(TURN_TYPE)),
-    ],
-    metadata={_META_KEY: str(SCHEMA_VERSION).encode()},
-)
+_COLUMNS: list[tuple[str, pa.DataType]] = [  # annotated: a list of mixed DataType subclasses infers as object
+    ("schema_version", pa.int32()),
+    ("env_tag", pa.string()),
+    ("seed", pa.int64()),
+    ("group_id", pa.int64()),
+    ("success", pa.bool_()),
+    ("terminated", pa.bool_()),
+    ("truncated", pa.bool_()),
+    ("dropped_turns", pa.int32()),
+    ("kept", pa.bool_()),
+    ("env_return", pa.float64()),
+    ("total_return", pa.float64()),
+    ("n_turns", pa.int32()),
+    ("n_actions", pa.int32()),
+    ("prompt_tokens", pa.int32()),
+    ("response_tokens", pa.int32()),
+    ("meta_json", pa.string()),
+    ("turns", pa.list_(TURN_TYPE)),
+]
+SCHEMA = pa.schema(_COLUMNS, metadata={_META_KEY: str(SCHEMA_VERSION).encode()})
 """One row per trajectory (module docstring)."""
 
 
@@ -104,7 +102,7 @@ def to_table(trajectories: Sequence[Trajectory], kept: Sequence[bool] | None = N
     kept = [True] * len(trajectories) if kept is None else list(kept)
     if len(kept) != len(trajectories):
         raise ValueError(f"kept has {len(kept)} flags for {len(trajectories)} trajectories")
-    rows = [_row(t, bool(k)) for t, k in zip(trajectories, kept)]
+    rows = [_row(t, bool(k)) for t, k in zip(trajectories, kept, strict=True)]
     return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 
@@ -185,7 +183,7 @@ def _check_version(schema: pa.Schema, where: str) -> None:
 
 def read_shard(path: str | os.PathLike[str]) -> pd.DataFrame:
     """One shard as a DataFrame."""
-    table = pq.read_table(path)
+    table = pq.read_table(Path(path))  # pyarrow takes any path-like; its stubs list str and Path only
     _check_version(table.schema, str(path))
     return table.to_pandas()
 
@@ -226,7 +224,7 @@ def read_trajectories(source: str | os.PathLike[str] | pd.DataFrame) -> list[Tra
     return [_trajectory(row) for row in frame.to_dict("records")]
 
 
-def _trajectory(row: dict[str, Any]) -> Trajectory:
+def _trajectory(row: Mapping[Hashable, Any]) -> Trajectory:
     turns = tuple(
         Turn(
             observation=t["observation"],

@@ -29,12 +29,10 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ragen_core.config import HealthConfig
+from ragen_core.tracking.plots import plot_curves
 from ragen_core.tracking.run_history import RunHistory, success_series
-
-if TYPE_CHECKING:
-    from ragen_core.config import HealthConfig
 
 __all__ = [
     "MOVE_SIGNALS",
@@ -88,8 +86,6 @@ MOVE_SIGNALS = {"entropy": "actor/entropy", "reward std": "rollout/reward_std_al
 
 def rule_patience(health: HealthConfig | None = None) -> dict[str, int]:
     """Rule -> its patience in ``health`` (the defaults when None)."""
-    from ragen_core.config import HealthConfig
-
     h = health or HealthConfig()
     return {rule: getattr(h, key) for rule, key in RULE_PATIENCE_KEYS.items()}
 
@@ -288,7 +284,7 @@ def _pm(mean: float | None, std: float | None) -> str:
     return "n/a" if mean is None else f"{mean:.3f} ± {std or 0.0:.3f}"
 
 
-def _md(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+def _md(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
 
@@ -364,8 +360,6 @@ def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "pres
                 patience: Mapping[str, int] | None = None, title: str = "study") -> dict[str, Path]:
     """study.md, groups.csv, monitor.csv, curves.csv and curves.png (mean line and ±1 std band per group)
     into ``out_dir``; returns them by kind."""
-    from ragen_core.tracking.plots import plot_curves
-
     if not runs:
         raise ValueError("nothing to aggregate: no runs")
     patience = rule_patience() if patience is None else patience

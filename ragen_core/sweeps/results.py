@@ -51,9 +51,9 @@ class Table:
 
 
 def _pick(trials: list[TrialLike], maximize: bool) -> TrialLike:
-    done = [t for t in trials if t.state.name == "COMPLETE" and t.values]
+    done = [(t.values[0], t) for t in trials if t.state.name == "COMPLETE" and t.values]
     if done:
-        return (max if maximize else min)(done, key=lambda t: t.values[0])
+        return (max if maximize else min)(done, key=lambda vt: vt[0])[1]
     return max(trials, key=lambda t: (-STATE_RANK.get(t.state.name, 3), t.number))
 
 
@@ -87,7 +87,7 @@ def table_rows(
         by_base = sorted(groups[row_key].items(), key=lambda kv: (
             base_order.index(kv[0]) if kv[0] in base_order else len(base_order), str(kv[0])))
         chosen = [_pick(ts, maximize) for _, ts in by_base]
-        row: dict[str, Any] = dict(zip(keys, row_key))
+        row: dict[str, Any] = dict(zip(keys, row_key, strict=True))
         for k in other:
             row[k] = "|".join(dict.fromkeys(str(t.params.get(k, "")) for t in chosen))
         for t in chosen:
@@ -151,6 +151,7 @@ def write_table(table: Table, out_dir: Path, title: str) -> dict[str, Path]:
 
 def _cost_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], path: Path, title: str) -> None:
     """Success against cost: one point per row at (generated tokens, objective), and success per 1M tokens."""
+    # lazily: matplotlib is slow to import (0.7 s) and only the plots need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -175,6 +176,7 @@ def _cost_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], path: Pa
 def _bar_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], cols: Sequence[str], path: Path,
                title: str) -> None:
     """Grouped bars: one group per row (knob setting), one bar per env column (object API, no pyplot)."""
+    # lazily: matplotlib is slow to import (0.7 s) and only the plots need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

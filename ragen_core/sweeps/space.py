@@ -106,7 +106,8 @@ def knob_overrides(knob: str, value: int, base: ExperimentConfig) -> list[str]:
     raise ConfigError(f"knobs.{knob}: unknown knob; choose from {list(KNOBS)}")
 
 
-def trial_overrides(params: Mapping[str, Any], base: ExperimentConfig, sweep_overrides: Sequence[str] = ()) -> list[str]:
+def trial_overrides(params: Mapping[str, Any], base: ExperimentConfig,
+                    sweep_overrides: Sequence[str] = ()) -> list[str]:
     """The ``--set`` list of one trial: the sweep's own overrides, then knobs, then space keys.
 
     ``base`` must already include ``sweep_overrides`` (the fixed total P x N is taken from it).
@@ -177,7 +178,9 @@ def _range_values(key: str, spec: Mapping[str, Any]) -> list[Any]:
     low, high, step = spec["low"], spec["high"], spec["step"]
     n = math.floor((high - low) / step + 1e-9) + 1
     values = [low + i * step for i in range(n)]
-    return [int(v) for v in values] if all(isinstance(x, int) for x in (low, high, step)) else [round(v, 12) for v in values]
+    if all(isinstance(x, int) for x in (low, high, step)):
+        return [int(v) for v in values]
+    return [round(v, 12) for v in values]
 
 
 def _check_range(key: str, spec: Mapping[str, Any]) -> None:
@@ -222,7 +225,8 @@ def check_sweep(sweep: SweepConfig, bases: Mapping[str, str]) -> int:
             _check_range(key, choices)
     _check_collisions(sweep)
     for key in (sweep.group_by or "").split(",") if sweep.group_by is not None else ():
-        if key.strip() not in (*RUN_TAGS, *sweep.knobs, *sweep.space) and not (key.strip() == BASE_PARAM and len(bases) > 1):
+        is_base = key.strip() == BASE_PARAM and len(bases) > 1
+        if key.strip() not in (*RUN_TAGS, *sweep.knobs, *sweep.space) and not is_base:
             raise ConfigError(f"group_by: {key.strip()!r} is neither a swept parameter nor a run tag {list(RUN_TAGS)}")
     for base in bases.values():
         if load_experiment(base, sweep.overrides).eval.every == 0:
@@ -235,7 +239,8 @@ def check_sweep(sweep: SweepConfig, bases: Mapping[str, str]) -> int:
         return 0
     grid = grid_space(sweep, bases)
     names = list(grid)
-    return _check_points(sweep, bases, [dict(zip(names, combo)) for combo in itertools.product(*grid.values())])
+    points = [dict(zip(names, combo, strict=True)) for combo in itertools.product(*grid.values())]
+    return _check_points(sweep, bases, points)
 
 
 def _finite_part(sweep: SweepConfig, bases: Mapping[str, str]) -> dict[str, list[Any]]:

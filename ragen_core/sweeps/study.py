@@ -35,12 +35,16 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from filelock import FileLock
+
 from ragen_core.config import ConfigError, SweepConfig, data_dir
 from ragen_core.sweeps.objective import COST_KEYS, run_cost
 from ragen_core.tracking.early_stop import HEALTH_STOP
 
+# optuna takes 0.7 s to import and ragen_core.sweeps is also imported by the train and compare flows, which
+# need none of it; so each function imports optuna itself ("lazily: see the note at the top").
 if TYPE_CHECKING:
-    import optuna
+    import optuna  # lazily: see the note at the top
 
     from ragen_core.session import Session
 
@@ -87,7 +91,7 @@ def storage_url(sweep: SweepConfig) -> str:
 
 def redact(url: str) -> str:
     """The URL without its password, for logs, tags and summaries."""
-    from sqlalchemy.engine import make_url
+    from sqlalchemy.engine import make_url  # lazily: 0.3 s, and the CLI redacts URLs before any sweep starts
 
     return make_url(url).render_as_string(hide_password=True)
 
@@ -102,7 +106,7 @@ def worker_name() -> str:
 
 def open_storage(url: str, heartbeat_seconds: int | None = None, retries: int = 0) -> optuna.storages.RDBStorage:
     """RDBStorage on ``url``; with ``heartbeat_seconds``, silent workers' trials go FAIL (and are retried)."""
-    import optuna
+    import optuna  # lazily: see the note at the top
 
     engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
     db_file = _sqlite_file(url)
@@ -129,8 +133,6 @@ def _creation_lock(url: str) -> contextlib.AbstractContextManager[Any]:
     db_file = _sqlite_file(url)
     if db_file is None:
         return contextlib.nullcontext()
-    from filelock import FileLock
-
     return FileLock(f"{db_file}.lock", timeout=300)
 
 
@@ -140,7 +142,7 @@ def _sqlite_file(url: str) -> Path | None:
 
 
 def make_sampler(sweep: SweepConfig, grid: Mapping[str, Sequence[Any]] | None) -> optuna.samplers.BaseSampler:
-    import optuna
+    import optuna  # lazily: see the note at the top
 
     if sweep.sampler == "grid":
         if not grid:
@@ -154,7 +156,7 @@ def make_sampler(sweep: SweepConfig, grid: Mapping[str, Sequence[Any]] | None) -
 def make_pruner(kind: str, startup_trials: int) -> optuna.pruners.BasePruner:
     """Median of the other trials' intermediate values at the same step (warm-up is counted in
     evaluations by the reporter, so Optuna's own step warm-up is 0)."""
-    import optuna
+    import optuna  # lazily: see the note at the top
 
     if kind == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=0)
@@ -163,7 +165,7 @@ def make_pruner(kind: str, startup_trials: int) -> optuna.pruners.BasePruner:
 
 def open_study(sweep: SweepConfig, grid: Mapping[str, Sequence[Any]] | None, url: str) -> optuna.Study:
     """Create the study, or load it when it exists (an interrupted study resumes)."""
-    import optuna
+    import optuna  # lazily: see the note at the top
 
     directions = [sweep.direction] + (["minimize"] if sweep.cost_objective != "none" else [])
     storage = open_storage(url, sweep.heartbeat_seconds, sweep.retries)
@@ -191,7 +193,7 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
     On pruning it sets ``sess.stop_reason`` (the flow's loop ends and the run finishes
     normally) and stores ``pruned_at``, which the objective turns into ``optuna.TrialPruned``.
     """
-    import optuna
+    import optuna  # lazily: see the note at the top
 
     storage = open_storage(str(spec["storage"]))  # no heartbeat here: the worker running the objective beats
     name, number = str(spec["study_name"]), int(spec["trial_number"])
@@ -211,7 +213,8 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
         per_env = {k[len("val/"):-len("/success")]: float(v) for k, v in val.items()
                    if k.startswith("val/") and k.endswith("/success") and k != "val/success"}
         cost = {kind: run_cost(sess.history, kind) for kind in COST_KEYS}
-        cost["wall_seconds"] = round(time.monotonic() - started, 3)  # this process's share (a resumed run: since resume)
+        # this process's share (a resumed run: since resume)
+        cost["wall_seconds"] = round(time.monotonic() - started, 3)
         for key, attr in (("run_dir", str(sess.run_dir)), ("curve", curve), ("val", per_env), ("cost", cost),
                           ("mlflow_run_id", sess.logger.run_id)):
             storage.set_trial_user_attr(trial_id, key, attr)
@@ -232,7 +235,7 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
 
 
 def _live(t: optuna.trial.FrozenTrial) -> bool:
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # lazily: see the note at the top
 
     return t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
 
@@ -244,7 +247,7 @@ def remaining_trials(study: optuna.Study, target: int, grid: Mapping[str, Sequen
     the same configuration would crash again; a lost or interrupted one is covered by its
     retry). Otherwise: every trial counts, failed ones too, except those that were retried.
     """
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # lazily: see the note at the top
 
     trials = study.get_trials(deepcopy=False)
     waiting = sum(t.state == TrialState.WAITING for t in trials)
@@ -260,7 +263,7 @@ def remaining_trials(study: optuna.Study, target: int, grid: Mapping[str, Sequen
 
 
 def running_trials(study: optuna.Study) -> list[int]:
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # lazily: see the note at the top
 
     return [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
 
@@ -293,7 +296,7 @@ def duplicate_of(study: optuna.Study, number: int) -> int | None:
 
 def fail_stale(study: optuna.Study) -> None:
     """Mark trials whose worker stopped beating FAIL (their retry is queued by the storage's callback)."""
-    import optuna
+    import optuna  # lazily: see the note at the top
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -336,8 +339,8 @@ def requeue_interrupted(study: optuna.Study, retries: int) -> list[int]:
     configuration, so a resumed study runs it again (at most ``retries`` times, like a lost
     worker's trial). Returns the numbers of the trials queued again.
     """
-    import optuna
-    from optuna.trial import TrialState
+    import optuna  # lazily: see the note at the top
+    from optuna.trial import TrialState  # lazily: see the note at the top
 
     trials = study.get_trials(deepcopy=False)
     retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}

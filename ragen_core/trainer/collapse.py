@@ -137,7 +137,8 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], rea
 
     ``prompts``: N id sequences (each non-empty); ``reasonings``: M non-empty id sequences. Each prompt
     runs once; its KV cache is repeated over batches of reasonings (taken in length order, each cut to
-    its longest) sized so that their fp32 logits stay under ``logits_bytes``. Temperature 1 (the policy itself). The model's train/eval mode is restored.
+    its longest) sized so that their fp32 logits stay under ``logits_bytes``. Temperature 1 (the policy
+    itself). The model's train/eval mode is restored.
     """
     if not prompts or not reasonings or any(len(x) == 0 for x in prompts) or any(len(z) == 0 for z in reasonings):
         raise ValueError("cross_logprobs needs at least one prompt and one reasoning, none of them empty")

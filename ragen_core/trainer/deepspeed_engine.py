@@ -202,7 +202,8 @@ class DeepSpeedEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"optimizer": torch AdamW state_dict of the unflattened parameters, "skipped": n}`` (TorchEngine's layout)."""
+        """``{"optimizer": torch AdamW state_dict of the unflattened parameters, "skipped": n}`` (TorchEngine's
+        layout)."""
         if self.zero_stage == 0:
             return {"optimizer": self.optimizer.state_dict(), "skipped": self.skipped}
         # lazily: deepspeed is the optional [gpu] extra and slow to import
@@ -269,7 +270,8 @@ class DeepSpeedEngine:
         zero = self.zero_optimizer
         if self.zero_stage < 3:
             return [zero.single_partition_of_fp32_groups[group]]
-        return [flat for i, flat in enumerate(zero.fp32_partitioned_groups_flat) if zero.sub_group_to_group_id[i] == group]
+        return [flat for i, flat in enumerate(zero.fp32_partitioned_groups_flat)
+                if zero.sub_group_to_group_id[i] == group]
 
     def _param_groups(self) -> list[list[nn.Parameter]]:
         """Our parameters per AdamW group, in the order they were given (ZeRO replaced the optimizer's lists)."""

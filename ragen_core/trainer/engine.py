@@ -134,7 +134,8 @@ def _torch_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Engine,
     actor = TorchEngine(groups, t.betas, t.weight_decay, t.grad_clip)
     critic = None
     if models.critic is not None:
-        critic = TorchEngine([{"params": trainable_parameters(models.critic), "lr": critic_lr}], t.betas, t.weight_decay, t.grad_clip)
+        critic = TorchEngine([{"params": trainable_parameters(models.critic), "lr": critic_lr}], t.betas,
+                             t.weight_decay, t.grad_clip)
     return actor, critic
 
 

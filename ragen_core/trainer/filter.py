@@ -46,7 +46,8 @@ class FilterResult(NamedTuple):
     rows: torch.Tensor
     """[K·N] the input rows that were kept, in the order of ``batch``."""
     metrics: dict[str, float]
-    """rollout/reward_std_all, rollout/reward_std_kept, rollout/zero_std_frac, rollout/kept_groups, rollout/kept_ratio."""
+    """rollout/reward_std_all, rollout/reward_std_kept, rollout/zero_std_frac, rollout/kept_groups,
+    rollout/kept_ratio."""
     advantage_scale: float = 1.0
     """What ``algorithm.filter_adv_scale`` multiplies the advantages by (1.0 unless scaling is on)."""
 
@@ -91,7 +92,8 @@ def _row_returns(env_returns: Sequence[Trajectory] | Sequence[float] | torch.Ten
         _, _, rows = filtering.group_matrix(torch.zeros(batch.batch_size), batch.group_ids)
         flat = torch.empty(batch.batch_size, dtype=torch.float64)
         if values.shape != rows.shape:
-            raise ValueError(f"returns_by_group has shape {tuple(values.shape)}, the batch's groups are {tuple(rows.shape)}")
+            raise ValueError(f"returns_by_group has shape {tuple(values.shape)}, "
+                             f"the batch's groups are {tuple(rows.shape)}")
         flat[rows.flatten()] = values.flatten()
         values = flat
     if values.shape != (batch.batch_size,):

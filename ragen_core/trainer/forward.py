@@ -208,7 +208,10 @@ def chunked_logprobs(
     parts_lp, parts_ent = [], []
     for s in starts:
         args = (h[:, s : s + chunk], labels[:, s : s + chunk], head, 1.0 / temperature, entropy_grad)
-        lp, ent = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False) if recompute else _chunk_logprobs_entropy(*args)
+        if recompute:
+            lp, ent = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs_entropy(*args)
         parts_lp.append(lp)
         parts_ent.append(ent)
     zero = hidden.new_zeros(hidden.shape[0], start, dtype=torch.float32)  # [B, start] positions not scored

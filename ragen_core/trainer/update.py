@@ -91,7 +91,8 @@ def _need(values: torch.Tensor | None) -> torch.Tensor:
 
 
 ESTIMATORS: dict[str, Estimator] = {"gae": _gae, "bilevel_gae": _bilevel_gae, "grpo": _grpo}
-"""algorithm.estimator -> (batch, token rewards, old values or None, algo) -> (advantages [B, T], returns [B, T] or None)."""
+"""algorithm.estimator -> (batch, token rewards, old values or None, algo) -> (advantages [B, T], returns [B, T] or
+None)."""
 
 _WHITENED = {"gae", "bilevel_gae"}  # GRPO advantages are already group-normalised (SPEC §4)
 
@@ -273,7 +274,8 @@ def _mini_batch_step(
     mb = batch.select(rows)
     width = mb.input_ids.shape[1]
     mb_adv, mb_ret, mb_values, mb_ref = (
-        None if x is None else _take(x, rows, width).to(device) for x in (advantages, returns, old_values, ref_logprobs))
+        None if x is None else _take(x, rows, width).to(device)
+        for x in (advantages, returns, old_values, ref_logprobs))
     # Exact aggregation across micro-batches: every micro-batch divides by the mini-batch's count.
     # The policy, entropy and value losses are all aggregated by algo.loss_agg (SPEC §4).
     norm = losses.aggregation_normaliser(mb.loss_mask, algo.loss_agg)

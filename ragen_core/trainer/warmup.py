@@ -187,8 +187,9 @@ def self_distill_dialogues(
         seeds = list(range(start, min(start + chunk, seed_start + n)))
         inner = make_generator("hf", model, tokenizer, max_length=max_len)
         gen = SelfDistillGenerator(inner, tokenizer, cfg.env, cfg.rollout, seeds, n_per_group, rng)
-        trajs += run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, seeds, n_per_group, 1.0, group_offset=start - seed_start,
-                              sampling_seed=seed * 1_000_003 + c, model_max_length=max_len)
+        trajs += run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, seeds, n_per_group, 1.0,
+                              group_offset=start - seed_start, sampling_seed=seed * 1_000_003 + c,
+                              model_max_length=max_len)
         records += gen.records
         if progress is not None:
             progress(f"format warm-up: sampled {len(trajs)}/{n * n_per_group} dialogues of the model's own thoughts")
@@ -214,7 +215,8 @@ def format_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 def random_policy_stats(env_cfg: EnvConfig, rollout_cfg: RolloutConfig, tokenizer: PreTrainedTokenizerBase,
                         n: int = 256, seed: int = 1) -> dict[str, float]:
-    """The random-policy level: :func:`format_stats` of ``n`` synthetic episodes on seeds 0..n-1 (those of measurements)."""
+    """The random-policy level: :func:`format_stats` of ``n`` synthetic episodes on seeds 0..n-1 (those of
+    measurements)."""
     return format_stats(synthetic_dialogues(env_cfg, rollout_cfg, tokenizer, n, seed=seed, seed_start=0))
 
 
@@ -351,7 +353,8 @@ _PARAM_FACTS = ("method", "steps", "lr", "format_version", "validity_before", "v
 
 
 def warmup_facts(path: Path) -> dict[str, Any]:
-    """The facts of a warmed copy worth a run's params (method, steps, validity before -> after, ...), from its marker."""
+    """The facts of a warmed copy worth a run's params (method, steps, validity before -> after, ...), from its
+    marker."""
     facts = json.loads((Path(path) / MARKER).read_text())
     return {"dir": Path(path).name, **{k: facts[k] for k in _PARAM_FACTS if k in facts}}
 

@@ -51,7 +51,7 @@ def test_compare_table_pngs_and_mlflow_run(two_runs, tmp_path):
     assert [(r["run"], r["algo"], r["env"]) for r in rows] == [("cmp-starpo", "starpo", "Bandit"),
                                                               ("cmp-starpo-s", "starpo-s", "Bandit")]
     client = MlflowClient(uri)
-    for row, result in zip(rows, (a, b)):
+    for row, result in zip(rows, (a, b), strict=True):
         val = client.get_metric_history(result.mlflow_run_id, "val/success")
         assert [m.step for m in val] == [0, 1, 2]  # before each update and after the last
         assert float(row["final_success"]) == pytest.approx(val[-1].value)

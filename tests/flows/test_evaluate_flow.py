@@ -43,7 +43,8 @@ def test_bandit_family_carries_shared_params_but_not_arm_names():
 
 def test_a_variant_with_the_training_label_is_left_out():
     # trained on "Bandit" with its own names and no tag: the registry's Bandit would reuse the label
-    variants = ev.generalisation_variants(EnvConfig("Bandit", {"low_risk_name": "Teacher", "high_risk_name": "Engineer"}))
+    variants = ev.generalisation_variants(
+        EnvConfig("Bandit", {"low_risk_name": "Teacher", "high_risk_name": "Engineer"}))
     assert _labels(variants) == ["Bandit", "BanditTest"]
     assert variants[0].params["low_risk_name"] == "Teacher"
     assert _labels(ev.generalisation_variants(EnvConfig("BanditRev"))) == ["BanditRev"]  # trained and tested reversed

@@ -55,7 +55,8 @@ def test_children_are_nested_and_tagged(study_run) -> None:
     parent = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                 "tags.mlflow.runName = 'tiny-study'")[0]
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    tags = sorted((r.data.tags["algo"], r.data.tags["seed"], r.data.tags["env"], r.data.tags["study"]) for r in children)
+    tags = sorted((r.data.tags["algo"], r.data.tags["seed"], r.data.tags["env"], r.data.tags["study"])
+                  for r in children)
     assert tags == [("starpo", "0", "Bandit", "tiny-study"), ("starpo", "1", "Bandit", "tiny-study"),
                     ("starpo-s", "0", "Bandit", "tiny-study"), ("starpo-s", "1", "Bandit", "tiny-study")]
     arts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}

@@ -238,7 +238,8 @@ def test_table_picks_the_best_complete_trial_per_row() -> None:
     table = table_rows(trials, ["online_k"])
     assert [r["Bandit"] for r in table.rows] == [0.9, 0.1] and table.rows[0]["lr"] == "2"
     assert table.rows[1]["state"] == "PRUNED"
-    assert math.isnan(table_rows([fake_trial(0, "FAIL", {"online_k": 1}, None, None)], ["online_k"]).rows[0]["objective"])
+    table = table_rows([fake_trial(0, "FAIL", {"online_k": 1}, None, None)], ["online_k"])
+    assert math.isnan(table.rows[0]["objective"])
 
 
 # ----------------------------------------------------------------------------- one run per grid point

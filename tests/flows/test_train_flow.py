@@ -123,4 +123,5 @@ def test_zero3_run_resumes_and_matches_the_torch_backend(data_dir) -> None:
         a, b = load_file(Path(straight.run_dir) / name), load_file(Path(resumed.run_dir) / name)
         assert a.keys() == b.keys() and all(b[k].numel() > 0 for k in b), name  # whole weights, not slices
         for k in a:
-            torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
+            torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, k=k, name=name: f"{name} {k}: {m}")

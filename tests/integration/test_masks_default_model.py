@@ -73,7 +73,8 @@ def test_sampled_replies_masks_and_logprobs(tok: PreTrainedTokenizerBase) -> Non
     assert mask_problems(batch, trajs, tok) == []
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
-    logp = torch.log_softmax(logits[:, :-1].float() / cfg.temperature, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    logp = torch.log_softmax(logits[:, :-1].float() / cfg.temperature, -1)
+    logp = logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
     mask = batch.loss_mask[:, 1:]
     # the trained row reproduces the sampler's log-probs: the model saw exactly these contexts
     torch.testing.assert_close(logp[mask], batch.old_logprobs[:, 1:][mask], atol=2e-3, rtol=0)

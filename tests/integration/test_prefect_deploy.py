@@ -42,7 +42,8 @@ DEPLOYMENTS = {  # deployment name -> (entrypoint, flow name)
 }
 
 
-def prefect_cli(server: PrefectServer, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
+def prefect_cli(server: PrefectServer, *args: str, timeout: float = 300,
+                **env: str) -> subprocess.CompletedProcess[str]:
     """Run the `prefect` CLI against ``server`` from the repository root; raise with its output on failure."""
     cmd = [str(BIN / "prefect"), "--no-prompt", *args]
     out = subprocess.run(cmd, cwd=REPO, env=server.client_env(**env), capture_output=True, text=True,
@@ -52,7 +53,8 @@ def prefect_cli(server: PrefectServer, *args: str, timeout: float = 300, **env: 
         if "workers/filter" in out.stdout + out.stderr:
             hint = ("\nThe server refused the CLI's worker query (offset/limit sent as null): fastapi >= 0.151 "
                     "rejects it under prefect 3.8.8; pin fastapi==0.150.0 (constraints.txt).")
-        raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}{hint}")
+        raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n"
+                             f"{out.stderr[-3000:]}{hint}")
     return out
 
 
@@ -74,7 +76,8 @@ def test_prefect_yaml_declares_the_three_deployments_on_gpu_pool() -> None:
     assert (REPO / by_name["ragen-sweep"]["parameters"]["sweep_file"]).is_file()
 
 
-def test_deploy_all_worker_runs_train_deployment(prefect_server: PrefectServer, background: Background, tmp_path: Path) -> None:
+def test_deploy_all_worker_runs_train_deployment(prefect_server: PrefectServer, background: Background,
+                                                 tmp_path: Path) -> None:
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId

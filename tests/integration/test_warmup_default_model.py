@@ -19,8 +19,8 @@ The thresholds were set from first principles (what the warm-up is for), not fro
 the numbers measured are in the README's warm-up rows.
 
 Needs the converted model under $RAGEN_DATA_DIR/models (``ragen model fetch``); each warmed model is cached
-there too, so only the first run trains (minutes on two cores; the README says how many). Marked slow. The tiny model's checks are
-tests/unit/trainer/test_warmup.py.
+there too, so only the first run trains (minutes on two cores; the README says how many). Marked slow. The tiny
+model's checks are tests/unit/trainer/test_warmup.py.
 
 Run: .venv/bin/python -m pytest -m slow tests/integration/test_warmup_default_model.py -q -s
 """

@@ -84,7 +84,8 @@ def test_extends_cycle_is_an_error(tmp_path) -> None:
 
 
 def test_derived_values_are_properties(tmp_path) -> None:
-    cfg = load_experiment(write(tmp_path, "rollout: {prompts_per_iter: 4, responses_per_prompt: 2}\ntrainer: {online_k: 3}\n"))
+    cfg = load_experiment(write(tmp_path,
+                                "rollout: {prompts_per_iter: 4, responses_per_prompt: 2}\ntrainer: {online_k: 3}\n"))
     assert cfg.prompts_per_rollout == 12 and cfg.trajectories_per_rollout == 24
     assert "prompts_per_rollout" not in {f.name for f in dataclasses.fields(cfg)}
 
@@ -96,7 +97,8 @@ def test_derived_values_are_properties(tmp_path) -> None:
     ("trainer: {iterations: three}\n", "trainer.iterations: expected an integer, got 'three'"),
     ("trainer: {iterations: 2.5}\n", "trainer.iterations: expected an integer"),
     ("rollout: {think: 1}\n", "rollout.think: expected true or false"),
-    ("algorithm: {estimator: ppo}\n", "algorithm.estimator: 'ppo' is not allowed; choose one of ['gae', 'grpo', 'bilevel_gae']"),
+    ("algorithm: {estimator: ppo}\n",
+     "algorithm.estimator: 'ppo' is not allowed; choose one of ['gae', 'grpo', 'bilevel_gae']"),
     ("rollout: {responses_per_prompt: -4}\n", "rollout.responses_per_prompt: -4 is out of range; must be >= 1"),
     ("algorithm: {filter_strategy: top_k, filter_value: 1.5}\n",
      "algorithm.filter_value: 1.5 is out of range for top_k (a fraction); must be <= 1.0"),
@@ -147,7 +149,7 @@ def test_group_size_one_with_filter_is_refused(tmp_path) -> None:
 
 
 def test_cross_field_checks(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="algorithm.critic"):
+    with pytest.raises(ConfigError, match=r"algorithm\.critic"):
         load_experiment(write(tmp_path, "algorithm: {estimator: gae, critic: none}\n"))
     with pytest.raises(ConfigError, match="max_actions_per_turn"):
         load_experiment(write(tmp_path, "rollout: {max_actions_per_turn: 6, max_actions_per_episode: 5}\n"))
@@ -187,5 +189,5 @@ def test_exponent_numbers_without_a_dot_are_numbers(tmp_path) -> None:
     cfg = load_experiment(write(tmp_path, "trainer: {critic_lr: 3E-5}\n"), ["trainer.actor_lr=1e-4"])
     assert cfg.trainer.actor_lr == 1e-4 and cfg.trainer.critic_lr == 3e-5
     for bad in ("fast", "1e", "e-4", "1e-4x"):
-        with pytest.raises(ConfigError, match="trainer.actor_lr: expected a number"):
+        with pytest.raises(ConfigError, match=r"trainer\.actor_lr: expected a number"):
             load_experiment(write(tmp_path, "name: x\n"), [f"trainer.actor_lr={bad}"])

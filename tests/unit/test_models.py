@@ -564,7 +564,7 @@ def test_local_directory_spec(tmp_path: Path, data_root: Path) -> None:
     loaded = models.load_model(str(saved))
     assert torch.equal(_logits(loaded, models.load_tokenizer(str(saved))), _logits(model, tok))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelError, match="config.json"):
+    with pytest.raises(ModelError, match=r"config\.json"):
         models.resolve_model(str(tmp_path / "empty"))
 
 

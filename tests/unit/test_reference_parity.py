@@ -131,7 +131,8 @@ def _batch(trajs: list[Trajectory]) -> TokenBatch:
     b = len(trajs)
     ones = torch.ones(b, 2, dtype=torch.bool)
     return TokenBatch(input_ids=torch.ones(b, 2, dtype=torch.long), attention_mask=ones, loss_mask=ones,
-                      old_logprobs=torch.zeros(b, 2), rewards=torch.zeros(b, 2), turn_ids=torch.zeros(b, 2, dtype=torch.long),
+                      old_logprobs=torch.zeros(b, 2), rewards=torch.zeros(b, 2),
+                      turn_ids=torch.zeros(b, 2, dtype=torch.long),
                       turn_ends=ones, group_ids=torch.tensor([t.group_id for t in trajs]),
                       returns=torch.tensor([t.total_return for t in trajs]))
 

@@ -19,7 +19,7 @@ def test_training_seeds_never_meet_heldout_seeds() -> None:
 
 
 def test_heldout_range_reaching_training_seeds_is_refused() -> None:
-    with pytest.raises(ConfigError, match="eval.seed_start"):
+    with pytest.raises(ConfigError, match=r"eval\.seed_start"):
         ExperimentConfig(eval=EvalConfig(seed_start=TRAIN_SEED_OFFSET - 10, seeds=256))
 
 
@@ -52,7 +52,8 @@ def test_collapse_diagnostics_every_k_iterations_with_an_ema_kept_in_checkpoints
     assert first["collapse/first_turn/marginal_std_ema"] == first["collapse/first_turn/marginal_std"]
     ema = 0.9 * first["collapse/first_turn/marginal_std"] + 0.1 * third["collapse/first_turn/marginal_std"]
     assert third["collapse/first_turn/marginal_std_ema"] == pytest.approx(ema)
-    assert third["collapse/first_turn/mi_zscore_ema"] == pytest.approx(third["collapse/first_turn/mi"] / (ema + MI_ZSCORE_EPS))
+    assert third["collapse/first_turn/mi_zscore_ema"] == pytest.approx(
+        third["collapse/first_turn/mi"] / (ema + MI_ZSCORE_EPS))
     assert first["collapse/first_turn/valid_share"] == 1.0 and "collapse/later_turns/mi" not in first  # one turn
     # the checkpoint after iteration 2 holds the EMA; a resumed session continues from it
     saved = json.loads((sess.run_dir / "checkpoints" / "iter=000002" / "health.json").read_text())

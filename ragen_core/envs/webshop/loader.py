@@ -35,7 +35,8 @@ from ragen_core.envs.webshop.catalog import NO_PRICE_LIMIT, Catalog, Goal, Produ
 
 __all__ = ["load_webshop_json"]
 
-_STOPWORDS = frozenset(["a", "an", "and", "the", "for", "with", "of", "to", "in", "on", "by", "x", "pack", "count", "oz", "inch", "set"])
+_STOPWORDS = frozenset(["a", "an", "and", "the", "for", "with", "of", "to", "in", "on", "by", "x", "pack", "count",
+                        "oz", "inch", "set"])
 
 
 def _read(path: str | os.PathLike[str]) -> Any:
@@ -108,7 +109,7 @@ def load_webshop_json(
     rng = np.random.default_rng(seed)
     raw_products = _read(products_path)
     if not isinstance(raw_products, list):
-        raise ValueError(f"{products_path}: expected a JSON list of products")  # noqa: TRY004 (bad file content)
+        raise ValueError(f"{products_path}: expected a JSON list of products")  # bad file content: a ValueError
     attrs = {str(k).upper(): v for k, v in (_read(attributes_path) if attributes_path else {}).items()}
     products: list[Product] = []
     seen: set[str] = set()
@@ -123,7 +124,9 @@ def load_webshop_json(
     if human_goals_path:
         for asin, items in _read(human_goals_path).items():
             p = by_asin.get(str(asin).upper())
-            for item in items if p else []:
+            if p is None:
+                continue
+            for item in items:
                 if item.get("instruction_attributes"):  # WebShop skips goals without attributes
                     goals.append(_goal(p, item["instruction"], item["instruction_attributes"],
                                        item.get("instruction_options", []), rng))

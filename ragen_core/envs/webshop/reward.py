@@ -66,7 +66,8 @@ def type_reward(product: Product, goal: Goal) -> float:
     return r_type
 
 
-def score_purchase(product: Product, goal: Goal, chosen: Mapping[str, str], price: float | None = None) -> PurchaseScore:
+def score_purchase(product: Product, goal: Goal, chosen: Mapping[str, str],
+                   price: float | None = None) -> PurchaseScore:
     """Reward for buying ``product`` with options ``chosen`` (name -> value) against ``goal``."""
     price = product.price if price is None else price
     text = " ".join([product.title, *product.bullet_points, product.description])

@@ -78,8 +78,8 @@ def bilevel_loop(rewards, values, mask, turn_ends, gamma, lam, turn_gamma, turn_
 
 def grpo_loop(returns: list[float], group_ids: list[int]) -> list[float]:
     out = []
-    for r, g in zip(returns, group_ids):
-        members = [x for x, h in zip(returns, group_ids) if h == g]
+    for r, g in zip(returns, group_ids, strict=True):
+        members = [x for x, h in zip(returns, group_ids, strict=True) if h == g]
         if len(members) < 2 or statistics.stdev(members) < 1e-6:
             out.append(0.0)
         else:
@@ -332,7 +332,7 @@ def test_no_argument_mutated() -> None:
     advantages.gae(rewards, values, mask, gamma=0.9, lam=0.8)
     advantages.bilevel_gae(rewards, values, mask, ends, gamma=0.9, lam=0.8, turn_gamma=0.5)
     advantages.whiten(values, mask)
-    for x, c in zip((rewards, values, mask, ends), copies):
+    for x, c in zip((rewards, values, mask, ends), copies, strict=True):
         assert torch.equal(x, c)
     returns, ids = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([4, 4, 1])
     advantages.grpo(returns, ids)

@@ -235,5 +235,5 @@ def test_no_argument_mutated() -> None:
     losses.logprobs_from_logits(logits, labels)
     for agg in losses.AGGREGATIONS.values():
         agg(lp, mask, 3.0)
-    for x, c in zip(inputs, copies):
+    for x, c in zip(inputs, copies, strict=True):
         assert torch.equal(x, c)

@@ -1,4 +1,5 @@
-"""bench/envs.py runs and its last line is one JSON object with speed and random-play figures per env (no timing asserted).
+"""bench/envs.py runs and its last line is one JSON object with speed and random-play figures per env (no timing
+asserted).
 
 Run: .venv/bin/python -m pytest tests/unit/envs/test_envs_bench.py -q
 """

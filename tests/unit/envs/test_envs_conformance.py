@@ -50,7 +50,7 @@ def trajectory_digest(name, seed, action_seed, n_steps=12):
 
 def _digest_fn():
     namespace: dict = {}
-    exec(TRAJECTORY_SRC, namespace)  # noqa: S102 (test-owned source text, run identically in a child process)
+    exec(TRAJECTORY_SRC, namespace)  # test-owned source text, run identically in a child process
     return namespace["trajectory_digest"]
 
 
@@ -95,7 +95,8 @@ def test_static_interface(name: str) -> None:
     assert env.name == name
     _obs, _ = env.reset(seed=0)
     assert isinstance(env.instruction, str) and env.instruction
-    assert isinstance(env.legend, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.legend.items())
+    assert isinstance(env.legend, dict)
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.legend.items())
     names = env.action_names
     assert isinstance(names, list) and names and all(isinstance(a, str) and a for a in names)
     lo, hi = env.reward_range
@@ -156,7 +157,8 @@ def test_determinism_across_processes() -> None:
         "print(json.dumps({n: trajectory_digest(n, 42, 7) for n in list_envs()}))\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "2718"}  # a different str-hash order must not matter
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120,
+                         check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == here
 
 

@@ -96,7 +96,8 @@ def test_a_product_title_finds_that_product(catalog) -> None:
 
 # ---------------------------------------------------------------- reward (hand-computed)
 def _hoodie(**kw) -> Product:
-    base = {"asin": "B0TEST0001", "title": "Acme Classic Hoodie, Machine Wash", "category": "fashion", "query": "hoodie",
+    base = {"asin": "B0TEST0001", "title": "Acme Classic Hoodie, Machine Wash", "category": "fashion",
+                "query": "hoodie",
                 "product_category": "Clothing › Fashion › Hoodie", "description": "Acme hoodie. Highlights: soft.",
                 "bullet_points": ("Machine wash",), "attributes": ("machine wash", "fleece lined"),
                 "options": (("color", ("black", "navy")), ("size", ("small", "large"))), "price": 30.0,
@@ -228,7 +229,8 @@ def test_wrong_purchase_scores_below_one() -> None:
 def test_loader_reads_the_original_format() -> None:
     cat = load_webshop_json(FIXTURES / "items_shuffle_mini.json", FIXTURES / "items_ins_v2_mini.json",
                             FIXTURES / "items_human_ins_mini.json", seed=0)
-    assert [p.asin for p in cat.products] == ["B0FIX00001", "B0FIX00002", "B0FIX00003", "B0FIX00004"]  # nan, dup skipped
+    # nan, dup skipped
+    assert [p.asin for p in cat.products] == ["B0FIX00001", "B0FIX00002", "B0FIX00003", "B0FIX00004"]
     boots = cat.get("b0fix00001")
     assert boots.options == (("color", ("brown", "black | grey")), ("size", ("9", "10", "11 wide")))
     assert boots.price == 59.99 and boots.price_text == "$59.99"

@@ -149,7 +149,7 @@ def test_reverse_search_equals_the_naive_recursion(size: int, n_boxes: int, dept
             scored += 1
             end_player, boxes, score = fast
             assert end_player not in targets and set(boxes).isdisjoint(targets)
-            displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+            displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets, strict=True))
             assert score % displacement == 0 and (n_boxes > 1 or score == displacement)  # one box: 1 swap
     assert scored >= 5  # enough rooms where some state scored (2-3 boxes at a shallow depth often none)
 

@@ -26,7 +26,8 @@ LLAMA3_LIKE = (
 GEMMA_LIKE = (
     "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     "{% for m in messages %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n'"
-    " + m['content'] + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    " + m['content'] + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 INJECTS_DEFAULT_SYSTEM = (
     "{% for m in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -53,7 +54,7 @@ def _reply_ids(renderer: ChatRenderer, text: str, stop: bool = True) -> list[int
 def _incremental(renderer: ChatRenderer, replies: list[list[int]]) -> list[int]:
     """head + r0 + t1 + r1 + t2: the context of turn 3, built the way the loop builds it."""
     ids = list(renderer.head_ids(FIRST))
-    for reply, user in zip(replies, USERS):
+    for reply, user in zip(replies, USERS, strict=True):
         ids += reply + list(renderer.transition_ids(reply, user))
     return ids
 

@@ -30,7 +30,8 @@ def test_hf_rollouts_masks_and_logprobs(window: int | None) -> None:
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
     # log p(input_ids[t] | input_ids[:t]) sits at position t (types.py alignment)
-    logp = torch.log_softmax(logits[:, :-1].float() / cfg.temperature, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    logp = torch.log_softmax(logits[:, :-1].float() / cfg.temperature, -1)
+    logp = logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
     mask = batch.loss_mask[:, 1:]
     if window is None:  # every context was a prefix of the row: the sampler's log-probs are reproduced
         torch.testing.assert_close(logp[mask], batch.old_logprobs[:, 1:][mask], atol=1e-4, rtol=0)

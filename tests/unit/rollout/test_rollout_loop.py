@@ -163,7 +163,8 @@ def test_lock_step_generation_and_sessions(tok: PreTrainedTokenizerBase) -> None
     # each context is the previous context + the sampled ids + the new prompt delta (prefix growth)
     t = trajs[1]
     for k in range(1, 5):
-        expected = [i for turn in t.turns[:k] for i in turn.prompt_ids + turn.response_ids] + list(t.turns[k].prompt_ids)
+        expected = ([i for turn in t.turns[:k] for i in turn.prompt_ids + turn.response_ids]
+                    + list(t.turns[k].prompt_ids))
         assert list(gen.calls[k].prompts[1 if k < 2 else 0]) == expected
 
 

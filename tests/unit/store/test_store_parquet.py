@@ -42,7 +42,8 @@ def _hand() -> Trajectory:
 def rollouts() -> tuple[list[Trajectory], RolloutConfig]:
     tok = load_tokenizer("tiny-random")
     cfg = RolloutConfig(max_turns=3, max_new_tokens=24)
-    gen = ScriptedGenerator(tok, lambda c, r, p: ["<think>a</think><answer>Up || Jump</answer>", "junk " * 9][(c + r) % 2])
+    gen = ScriptedGenerator(tok, lambda c, r, p: ["<think>a</think><answer>Up || Jump</answer>",
+                                                  "junk " * 9][(c + r) % 2])
     return run_rollouts(EnvConfig(name="Sokoban"), gen, tok, cfg, seeds=[3, 4], n_per_group=2), cfg
 
 
@@ -144,7 +145,8 @@ _KILLED_WRITER = textwrap.dedent("""
     from ragen_core.store import parquet as store
     from ragen_core.types import Trajectory, Turn
     turn = Turn("obs", tuple(range(2000)), tuple(range(500)), (-1.0,) * 500, "r", ("Up",), 1.0, 0.0, True)
-    trajs = [Trajectory("Sokoban", s, s, (turn,) * 5, success=True, terminated=True, truncated=False) for s in range(200)]
+    trajs = [Trajectory("Sokoban", s, s, (turn,) * 5, success=True, terminated=True, truncated=False)
+             for s in range(200)]
     def stuck(src, dst):  # the data is on disk, the rename has not happened: kill lands here
         print("written", flush=True)
         time.sleep(600)

@@ -26,7 +26,8 @@ def test_reward_std_rule_needs_ten_low_iterations_after_a_ten_iteration_baseline
     # 0.2 is not below 10%: never fires; a healthy value in between resets the streak
     calm = EarlyStopRules({"reward_std": "stop"})
     stream = [{"rollout/reward_std_all": 1.0}] * 10 + [{"rollout/reward_std_all": 0.05}] * 9
-    stream += [{"rollout/reward_std_all": 0.5}] + [{"rollout/reward_std_all": 0.05}] * 9 + [{"rollout/reward_std_all": 0.2}]
+    stream += ([{"rollout/reward_std_all": 0.5}] + [{"rollout/reward_std_all": 0.05}] * 9
+               + [{"rollout/reward_std_all": 0.2}])
     assert not any(_run(calm, stream))
 
 

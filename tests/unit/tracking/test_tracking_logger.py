@@ -41,8 +41,8 @@ def test_good_metric_names_pass(name: str) -> None:
     check_metric_names([name])
 
 
-@pytest.mark.parametrize("name", ["success", "actr/loss", "env/", "/env", "Env/success", "env//x", "env/./x", "env/a:b", "env/pass@8",
-                                  "env/" + "x" * 250])
+@pytest.mark.parametrize("name", ["success", "actr/loss", "env/", "/env", "Env/success", "env//x", "env/./x", "env/a:b",
+                                  "env/pass@8", "env/" + "x" * 250])
 def test_bad_metric_names_raise(name: str) -> None:
     with pytest.raises(ValueError, match="metric name"):
         check_metric_names([name])

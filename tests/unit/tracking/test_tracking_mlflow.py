@@ -229,7 +229,8 @@ def test_dead_server_never_raises_then_the_run_is_created_later(
     uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     dead = f"http://127.0.0.1:{closed_port()}"
-    log = MLflowLogger(dead, "late", run_name="offline", outbox_dir=tmp_path, tags={"algo": "grpo"}, retry_interval_s=0.0)
+    log = MLflowLogger(dead, "late", run_name="offline", outbox_dir=tmp_path, tags={"algo": "grpo"},
+                       retry_interval_s=0.0)
     assert log.run_id is None  # nothing fake: no run until a server has one
     log.log_params({"a": 1})
     for step in range(5):
@@ -298,7 +299,8 @@ def test_default_tracking_uri(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert default_tracking_uri() == "http://127.0.0.1:5000"
 
 
-def test_default_outbox_dir_is_under_the_run_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, uri: str) -> None:
+def test_default_outbox_dir_is_under_the_run_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       uri: str) -> None:
     monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path))
     log = MLflowLogger(uri, "dirs", run_name="bandit-001")
     assert log.outbox_path == tmp_path / "runs" / "bandit-001" / "tracking-outbox.jsonl"

@@ -42,7 +42,7 @@ def make_batch(n_groups: int = 2, group_size: int = 4, seed: int = 0, vocab: int
     """
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for b in range(n_groups * group_size):
+    for _ in range(n_groups * group_size):
         ids, gen, ends, tid = [], [], [], []
         n_prompt = int(torch.randint(4, 8, (1,), generator=g))
         ids += torch.randint(1, vocab, (n_prompt,), generator=g).tolist()

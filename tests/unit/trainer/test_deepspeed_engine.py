@@ -3,8 +3,9 @@ a 2-process data-parallel update equal to the 1-process one, checkpoints, ZeRO-3
 
 Run with ``python -m pytest tests/unit/trainer/test_deepspeed_engine.py -q``. The 2-process check runs
 stages 0 (gradients reduced once, in step), 2 (reduced inside every backward) and 3 (weights partitioned
-too) by default, stage 1 (the same path as 0) only with the slow tests; each takes about 10 s on 2 cores. The first DeepSpeed use
-on a machine compiles its shared-memory comm op (about 35 s here, then cached in ~/.cache/torch_extensions).
+too) by default, stage 1 (the same path as 0) only with the slow tests; each takes about 10 s on 2 cores. The
+first DeepSpeed use on a machine compiles its shared-memory comm op (about 35 s here, then cached in
+~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
@@ -207,8 +208,9 @@ def test_zero3_rollouts_see_the_trained_weights_and_leave_them_partitioned() -> 
 
 def test_deepspeed_config_cannot_override_what_the_update_math_relies_on() -> None:
     with pytest.raises(ConfigError, match="gradient_clipping, train_micro_batch_size_per_gpu come from ragen"):
-        make_cfg("grpo", *_ds(2), "trainer.deepspeed.gradient_clipping=5", "trainer.deepspeed.train_micro_batch_size_per_gpu=1")
-    with pytest.raises(ConfigError, match="zero_optimization.stage come from"):
+        make_cfg("grpo", *_ds(2), "trainer.deepspeed.gradient_clipping=5",
+                 "trainer.deepspeed.train_micro_batch_size_per_gpu=1")
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage come from"):
         make_cfg("grpo", *_ds(2), "trainer.deepspeed.zero_optimization.stage=3")
 
 

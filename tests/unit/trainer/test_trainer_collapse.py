@@ -106,7 +106,8 @@ REPLIES = [  # (group, member) -> reply; groups 0 and 1 are seeds 0 and 1
     "<think>go up first</think><answer>Up</answer>",
     "<think>never closed <answer>Up</answer>",  # left out: no closed think block
     "<think></think><answer>Down</answer>",  # left out: empty reasoning
-    "<think>the box is left\nso push</think>nonsense",  # kept: the think block is closed (the answer is not ours to judge)
+    # kept: the think block is closed (the answer is not ours to judge)
+    "<think>the box is left\nso push</think>nonsense",
 ]
 
 
@@ -157,7 +158,7 @@ def test_later_turn_pairs_draw_one_turn_per_trajectory_with_its_whole_context(
     where = {turn.response_text: (t, k) for t in trajs for k, turn in enumerate(t.turns)}  # texts are unique
     pairs = collapse.later_turn_pairs(trajs, tok, 4, np.random.default_rng(0))
     assert pairs.n_first_turns == 4 and len(pairs.reasonings) == 4
-    for x, text in zip(pairs.prompts, pairs.texts):
+    for x, text in zip(pairs.prompts, pairs.texts, strict=True):
         t, turn = where[f"<think>{text}</think><answer>Left</answer>"]
         assert turn >= 1  # a later turn
         context = [i for k in range(turn) for i in (*t.turns[k].prompt_ids, *t.turns[k].response_ids)]

@@ -52,7 +52,7 @@ def test_chunked_equals_full_logits_values_and_grads(chunk: int, one_piece_bytes
     ((out.logprobs * weights).sum() + (out.entropy * weights).sum()).backward()
     torch.testing.assert_close(out.logprobs, lp_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.entropy, ent_ref, atol=1e-6, rtol=1e-6)
-    for p, g_ref in zip(model.parameters(), grads_ref):
+    for p, g_ref in zip(model.parameters(), grads_ref, strict=True):
         # Values agree to 1e-6; gradients to float32 summation noise: the chunked backward sums the
         # output-layer gradient chunk by chunk, the plain one in one matmul (~1e-7 relative per term).
         scale = float(g_ref.abs().max()) + 1e-12
@@ -75,7 +75,8 @@ def test_alignment_position_zero_and_next_token() -> None:
 def test_entropy_grad_false_detaches_entropy_only() -> None:
     model, _ = tiny_random(0)
     ids = torch.randint(0, 300, (2, 6))
-    out = policy_forward(model, ids, torch.ones_like(ids, dtype=torch.bool), chunk=2, entropy_grad=False, one_piece_bytes=0)
+    out = policy_forward(model, ids, torch.ones_like(ids, dtype=torch.bool), chunk=2, entropy_grad=False,
+                         one_piece_bytes=0)
     assert out.logprobs.requires_grad and not out.entropy.requires_grad
 
 
@@ -126,7 +127,8 @@ def _grouped_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Six right-padded rows: three share a 20-token prompt, two are identical (22 tokens), one shares nothing."""
     p1, p2 = torch.randint(0, 500, (20,), generator=g), torch.randint(0, 500, (18,), generator=g)
     rows = [torch.cat([p1, torch.randint(0, 500, (k,), generator=g)]) for k in (3, 5, 1)]
-    rows += [torch.cat([p2, torch.randint(0, 500, (4,), generator=g)])] * 2 + [torch.randint(600, 700, (9,), generator=g)]
+    rows += ([torch.cat([p2, torch.randint(0, 500, (4,), generator=g)])] * 2
+             + [torch.randint(600, 700, (9,), generator=g)])
     order = [3, 0, 5, 1, 4, 2]  # groups interleaved, as data-parallel slicing may leave them
     rows = [rows[i] for i in order]
     width = max(len(r) for r in rows)
@@ -153,7 +155,8 @@ def test_shared_prefix_forward_equals_plain_forward_values_and_grads(lora: bool)
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False))
+        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                 init_lora_weights=False))
     model.train()
     decoder, _ = decoder_and_head(model)
     g = torch.Generator().manual_seed(0)

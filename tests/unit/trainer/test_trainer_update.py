@@ -75,7 +75,7 @@ def test_update_runs_for_each_configuration(preset, overrides, critic_kind, has_
         assert CRITIC_KEYS <= stats.metrics.keys()
     assert stats.metrics["response/think_length_mean"] == 3.0
     assert all(math.isfinite(v) for v in stats.metrics.values())
-    assert any(not torch.equal(a, b) for a, b in zip(before, after))  # something was trained
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))  # something was trained
     if "model.lora_rank=4" in overrides:
         assert stats.metrics["actor/lr"] == pytest.approx(cfg.trainer.actor_lr * cfg.trainer.lora_lr_multiplier)
 
@@ -117,7 +117,7 @@ def test_micro_batch_invariance_one_of_eight_vs_eight_of_one(preset: str, agg: s
         grads[micro] = actor_grads[0] + (critic_grads[0] if critic_grads else [])
         norms[micro] = stats.metrics["actor/grad_norm"]
     assert len(grads[8]) == len(grads[1]) > 0
-    for g8, g1 in zip(grads[8], grads[1]):
+    for g8, g1 in zip(grads[8], grads[1], strict=True):
         torch.testing.assert_close(g1, g8, atol=1e-6, rtol=1e-5)
     assert norms[1] == pytest.approx(norms[8], rel=1e-5)
 
@@ -141,7 +141,7 @@ def test_default_gradient_weights_each_trajectory_once() -> None:
     per_token, _ = losses.policy_loss(out.logprobs, batch.old_logprobs, adv, batch.loss_mask, clip_low=0.2,
                                       clip_high=0.2, dual_clip=3.0, agg="seq-mean-token-mean")
     per_token.backward()
-    for got, want in zip(seen[0], [p.grad for p in reference.parameters() if p.requires_grad]):
+    for got, want in zip(seen[0], [p.grad for p in reference.parameters() if p.requires_grad], strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     lengths = batch.loss_mask.sum(1)
     assert int(lengths.min()) < int(lengths.max())  # rows of different lengths: the two aggregations differ
@@ -167,7 +167,7 @@ def test_gradient_is_the_whole_mini_batch_token_mean() -> None:
                                  clip_high=0.2, dual_clip=3.0, agg="token-mean")
     loss.backward()
     expected = [p.grad for p in reference.parameters() if p.requires_grad]
-    for got, want in zip(seen[0], expected):
+    for got, want in zip(seen[0], expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -283,7 +283,8 @@ def test_filter_batch_scores_entropy_and_length_from_the_rollout() -> None:
         return filter_batch(batch, returns, algo).kept_groups.tolist()
 
     assert kept("algorithm.filter_metric=entropy_std", "algorithm.filter_value=0.5") == [0]
-    assert kept("algorithm.filter_metric=entropy_std", "algorithm.filter_value=0.5", "algorithm.filter_largest=false") == [1]
+    assert kept("algorithm.filter_metric=entropy_std", "algorithm.filter_value=0.5",
+                "algorithm.filter_largest=false") == [1]
     assert kept("algorithm.filter_metric=length", "algorithm.filter_value=0.5") == [0]  # a tie: lower index
     # zero-std groups dropped first (RAGEN-2): all rewards equal -> nothing kept, the caller skips the update
     empty = filter_batch(batch, returns, make_cfg("starpo-s-snr", "rollout.responses_per_prompt=2").algorithm)
@@ -309,5 +310,5 @@ def test_advantage_scale_scales_the_policy_gradient() -> None:
         seen = _capture_grads(state.actor_engine)
         update(state, make_batch(), cfg, advantage_scale=scale)
         grads[scale] = seen[0]
-    for full, half in zip(grads[1.0], grads[0.5]):
+    for full, half in zip(grads[1.0], grads[0.5], strict=True):
         torch.testing.assert_close(half, 0.5 * full, atol=1e-7, rtol=1e-5)

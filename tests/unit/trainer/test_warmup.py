@@ -128,8 +128,8 @@ def test_dialogues_are_exactly_what_a_rollout_of_the_same_replies_shows(tok: Pre
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("overrides", [SOKOBAN, ("env.name=FrozenLake", "rollout.max_turns=4")])
-def test_every_action_runs_and_the_next_message_shows_the_real_next_state(tok: PreTrainedTokenizerBase,
-                                                                          overrides: tuple[str, ...], kind: str) -> None:
+def test_every_action_runs_and_the_next_message_shows_the_real_next_state(
+        tok: PreTrainedTokenizerBase, overrides: tuple[str, ...], kind: str) -> None:
     cfg = _cfg(*overrides)
     trajs = _dialogues(kind, cfg, tok, 8, seed_start=20)
     assert any(len(t.turns) > 1 for t in trajs)  # multi-turn dialogues are there
@@ -195,7 +195,7 @@ def test_self_distilled_thoughts_are_the_ids_the_model_sampled(tok: PreTrainedTo
                for turn in (t.turns[k],)]  # call order: turn by turn, episodes in order
     assert len(replies) == len(inner.samples) == len(gen.records)
     cap = thought_cap(cfg.rollout)
-    for turn, sample, rec in zip(replies, inner.samples, gen.records):
+    for turn, sample, rec in zip(replies, inner.samples, gen.records, strict=True):
         k = rec["thought_tokens"]
         assert 0 <= k <= cap
         assert turn.response_ids[:k] == sample.token_ids[:k]  # the thought: the model's own ids, only cut
@@ -227,7 +227,7 @@ def test_self_distill_keeps_own_thought_ends_and_own_valid_answers(tok: PreTrain
     seeds = list(range(6))
     gen = SelfDistillGenerator(inner, tok, cfg.env, cfg.rollout, seeds, 1, np.random.default_rng(0))
     trajs = run_rollouts(cfg.env, gen, tok, cfg.rollout, seeds, 1)
-    for row, (traj, rec) in enumerate(zip(trajs, gen.records)):
+    for row, (traj, rec) in enumerate(zip(trajs, gen.records, strict=True)):
         _, thought, how, own = SCRIPT[row]
         (turn,) = traj.turns
         assert turn.parse_ok
@@ -434,7 +434,8 @@ def test_warmup_trains_once_then_hits_the_cache_and_force_rebuilds(data_dir: Pat
     marker = json.loads((path / MARKER).read_text())
     assert (marker["method"], marker["steps"], marker["lr"], marker["env"], marker["base"]) == \
            ("self_distill", 3, 2e-4, "Bandit", TINY)
-    assert marker["dialogues"] == 3 * 8 and marker["replies"] == 24 and marker["format_version"] == warmup.FORMAT_VERSION
+    assert marker["dialogues"] == 3 * 8 and marker["replies"] == 24
+    assert marker["format_version"] == warmup.FORMAT_VERSION
     assert (marker["states"], marker["dialogue_turns"]) == (6, 1)  # first turns, four replies per state
     for key in ("validity_before", "validity_after", "own_thought_end", "own_actions", "distinct_first_thoughts"):
         assert 0.0 <= marker[key] <= 1.0, key
@@ -456,8 +457,8 @@ def test_warmup_trains_once_then_hits_the_cache_and_force_rebuilds(data_dir: Pat
 def test_warmup_key_covers_what_changes_the_training_and_nothing_else(data_dir: Path) -> None:
     base = _cfg(*BANDIT)
     key = warmup.warmup_key(base, "fp")
-    same = [_cfg(*BANDIT, "trainer.seed=7"), _cfg(*BANDIT, "trainer.iterations=3"), _cfg(*BANDIT, "trainer.actor_lr=0.1"),
-            _cfg(*BANDIT, "rollout.temperature=0.5")]
+    same = [_cfg(*BANDIT, "trainer.seed=7"), _cfg(*BANDIT, "trainer.iterations=3"),
+            _cfg(*BANDIT, "trainer.actor_lr=0.1"), _cfg(*BANDIT, "rollout.temperature=0.5")]
     assert all(warmup.warmup_key(c, "fp") == key for c in same)
     different = [_cfg(*BANDIT, "rollout.think=false"), _cfg(*BANDIT, "env.name=BanditRev"),
                  _cfg(*BANDIT, "model.warmup_steps=5"), _cfg(*BANDIT, "model.warmup_lr=0.001"),
@@ -494,7 +495,8 @@ def test_warmup_rollout_refuses_bad_settings_when_loaded(value: str, message: st
 def test_warmup_is_a_named_choice_and_the_old_boolean_is_refused() -> None:
     assert build_config(ExperimentConfig, {}).model.warmup == "none"
     for old in ("true", "false"):
-        with pytest.raises(ConfigError, match=r"model\.warmup: .* not allowed; choose one of \['none', 'self_distill'\]"):
+        with pytest.raises(ConfigError,
+                           match=r"model\.warmup: .* not allowed; choose one of \['none', 'self_distill'\]"):
             build_config(ExperimentConfig, apply_overrides({}, [f"model.warmup={old}"]))
     with pytest.raises(ValueError, match="nothing to warm up"):
         warmup.warmup_model(_cfg(*BANDIT, "model.warmup=none"))
@@ -536,7 +538,8 @@ def test_warmed_tiny_model_learns_the_format(data_dir: Path, tok: PreTrainedToke
     before = warmup.measure_format(load_model(TINY), tok, cfg, 16)
     path = warmup.warmup_model(cfg)
     marker = json.loads((path / MARKER).read_text())
-    assert marker["loss_last"] < marker["loss_first"], marker  # most tokens are its own random thoughts: little to learn
+    # most tokens are its own random thoughts: little to learn
+    assert marker["loss_last"] < marker["loss_first"], marker
     warmed, warmed_tok = load_model(str(path)), load_tokenizer(str(path))
     assert warmed_tok.get_vocab() == tok.get_vocab()
     system = cfg.rollout.system_prompt  # the saved tokenizer renders dialogues exactly as the base one
