@@ -27,9 +27,8 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/ragen demo
 
-# Lint first: a finding fails the run before the (long) suite starts.
-# TODO(issue 17): make this `test: lint typecheck` once `make typecheck` reports zero findings.
-test: lint
+# Lint and type-check first: a finding fails the run before the (long) suite starts.
+test: lint typecheck
 	$(PY) -m pytest -q -m "not slow and not vllm" -p no:cacheprovider
 
 test-slow: $(STAMP)

@@ -30,7 +30,7 @@ import numpy as np
 
 from ragen_core.algos.collapse import MI_ZSCORE_EPS
 from ragen_core.config import ExperimentConfig, load_experiment, to_dict
-from ragen_core.models import load_model, load_tokenizer
+from ragen_core.models import causal_lm, load_model, load_tokenizer
 from ragen_core.rollout.batch import build_token_batch
 from ragen_core.rollout.evaluate import evaluate, heldout_seeds
 from ragen_core.rollout.generators import Generator, make_generator
@@ -470,7 +470,7 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
         final = sess.folder.final_model
         shutil.rmtree(final, ignore_errors=True)
         with sess.state.full_weights():
-            sess.state.models.actor.save_pretrained(final)
+            causal_lm(sess.state.models.actor).save_pretrained(final)
         sess.tokenizer.save_pretrained(final)
         sess.logger.log_artifact(final, "model")
     vals = [r["val/success"] for r in sess.history if "val/success" in r]

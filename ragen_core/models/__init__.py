@@ -16,7 +16,8 @@ A *spec* names where a causal LM comes from (DESIGN.md §4, "Models"):
 
 The modules: spec.py (the kinds of spec), cache.py (the atomic model cache under
 ``$RAGEN_DATA_DIR/models/``, its lock and its ``ragen-model.json`` marker), gguf.py (wheel
-download and GGUF conversion), tiny.py (the tiny random model), loading.py (resolve and load).
+download and GGUF conversion), tiny.py (the tiny random model), loading.py (resolve and load),
+causal_lm.py (typed views of a loaded model's transformers and peft methods).
 This package re-exports their public names.
 
 Run: ``ragen model fetch`` provisions the default model; ``ragen model fetch SPEC`` prints where
@@ -26,6 +27,7 @@ any spec resolves to. Tests: ``.venv/bin/python -m pytest tests/unit/test_models
 from __future__ import annotations
 
 from ragen_core.models.cache import MARKER, Progress, check_model_dir, models_dir
+from ragen_core.models.causal_lm import CausalLM, LoraModel, causal_lm, lora_model, unwrap_lora
 from ragen_core.models.gguf import GgufInfo, WheelSource, extract_gguf, fetch_default_model
 from ragen_core.models.loading import load_model, load_tokenizer, resolve_model
 from ragen_core.models.spec import DEFAULT_MODEL, TINY_RANDOM, ModelError
@@ -35,16 +37,21 @@ __all__ = [
     "DEFAULT_MODEL",
     "MARKER",
     "TINY_RANDOM",
+    "CausalLM",
     "GgufInfo",
+    "LoraModel",
     "ModelError",
     "Progress",
     "WheelSource",
+    "causal_lm",
     "check_model_dir",
     "extract_gguf",
     "fetch_default_model",
     "load_model",
     "load_tokenizer",
+    "lora_model",
     "models_dir",
     "resolve_model",
     "tiny_random",
+    "unwrap_lora",
 ]

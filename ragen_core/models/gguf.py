@@ -226,7 +226,7 @@ def _convert_gguf(info: GgufInfo, out: Path, progress: Progress | None) -> dict[
     dict into it, check the logits are identical on a sample chat, then save.
     """
     # Imported here, as everywhere in this package: transformers takes seconds to import.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
     gguf_dir, gguf_name = str(info.path.parent), info.path.name
     say(progress, "reading the tokenizer from the GGUF")
@@ -246,6 +246,7 @@ def _convert_gguf(info: GgufInfo, out: Path, progress: Progress | None) -> dict[
     ids = tokenizer.apply_chat_template(
         sample, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
+    assert isinstance(ids, BatchEncoding)  # return_dict=True: the tokenizer's own output, input_ids and mask
     with torch.no_grad():
         identical = torch.equal(gguf_model(**ids).logits, model(**ids).logits)
     if not identical:

@@ -73,6 +73,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     parsed = parse_spec(spec)
     if parsed.kind == "tiny":
         model, _ = tiny_random(parsed.seed)
-        return model.to(device=device, dtype=dtype)
+        return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' wrapped .to (below)
     model = AutoModelForCausalLM.from_pretrained(resolve_model(spec), dtype=dtype)
-    return model.to(device).eval()
+    # transformers wraps PreTrainedModel.to in @wraps(nn.Module.to), and typeshed's functools._Wrapped is no
+    # descriptor, so mypy sees an unbound function wanting ``self`` first: the annotation is wrong, not the call.
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to

@@ -171,7 +171,9 @@ def _tiny_model(seed: int, vocab_size: int, ids: dict[str, int]) -> PreTrainedMo
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        # transformers wraps PreTrainedModel.to in @wraps(nn.Module.to), and typeshed's functools._Wrapped is no
+        # descriptor, so mypy sees an unbound function wanting ``self`` first: the annotation is wrong, not the call.
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' wrapped .to
     model.generation_config.eos_token_id = ids["eos"]
     model.generation_config.pad_token_id = ids["pad"]
     model.generation_config.bos_token_id = ids["bos"]

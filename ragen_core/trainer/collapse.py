@@ -37,10 +37,10 @@ import torch
 
 from ragen_core.algos import losses
 from ragen_core.algos.collapse import collapse_metrics
-from ragen_core.trainer.forward import ONE_PIECE_LOGITS_BYTES, _can_share, decoder_and_head
+from ragen_core.trainer.forward import ONE_PIECE_LOGITS_BYTES, _can_share, decoder_and_head, vocab_size
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import DynamicCache, PreTrainedTokenizerBase
 
     from ragen_core.types import Trajectory
 
@@ -99,7 +99,9 @@ def _pairs(items: Sequence[tuple[Trajectory, int, tuple[int, ...]]],
     reasonings, texts, cols = [], [], []
     for traj, k, context in items:
         found = _THINK_BLOCK.search(traj.turns[k].response_text)
-        ids = tuple(int(i) for i in tokenizer(found.group(1), add_special_tokens=False)["input_ids"]) if found else ()
+        if found is None:
+            continue
+        ids = tuple(int(i) for i in tokenizer(found.group(1), add_special_tokens=False)["input_ids"])
         if not ids:
             continue
         prefilled = str(traj.meta.get("prefill", "")).endswith(THINK_OPEN)
@@ -148,7 +150,7 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], rea
     m, width = z.shape
     lengths = z_mask.sum(dim=1)  # [M]
     order = torch.argsort(lengths, stable=True)  # [M] batches of reasonings of similar length
-    vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
+    vocab = vocab_size(head)
     rows_per_pass = max(1, logits_bytes // (width * vocab * 4))
     share = _can_share(decoder)
     out = torch.empty(m, len(prompts), dtype=torch.float32, device=device)
@@ -158,12 +160,12 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], rea
         with torch.no_grad():
             for j, prompt in enumerate(prompts):
                 x = torch.tensor([list(prompt)], dtype=torch.long, device=device)  # [1, P]
-                cache, last = _prefill(decoder, x) if share else (None, None)
+                prefilled = _prefill(decoder, x) if share else None  # (cache, last hidden state)
                 for start in range(0, m, rows_per_pass):
                     rows = order[start:start + rows_per_pass]  # [b] similar lengths: little padding
                     cut = int(lengths[rows].max())
                     ids, mask = z[rows, :cut], z_mask[rows, :cut]  # [b, L_b]
-                    hidden = (_continue(decoder, cache, last, ids, mask) if share
+                    hidden = (_continue(decoder, *prefilled, ids, mask) if prefilled is not None
                               else _whole_rows(decoder, x, ids, mask))  # [b, L_b, H]
                     out[rows, j] = _score(head, hidden, ids, mask)
     finally:
@@ -171,7 +173,7 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], rea
     return out
 
 
-def _prefill(decoder: torch.nn.Module, x: torch.Tensor) -> tuple[object, torch.Tensor]:
+def _prefill(decoder: torch.nn.Module, x: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     """One prompt pass: its KV cache and its last hidden state (which predicts z's first token). x: [1, P]."""
     # lazily: transformers takes seconds to import and only model code paths need it
     from transformers import DynamicCache
@@ -181,7 +183,7 @@ def _prefill(decoder: torch.nn.Module, x: torch.Tensor) -> tuple[object, torch.T
     return cache, hidden[:, -1:]  # [1, 1, H]
 
 
-def _continue(decoder: torch.nn.Module, cache: object, last: torch.Tensor, z: torch.Tensor,
+def _continue(decoder: torch.nn.Module, cache: DynamicCache, last: torch.Tensor, z: torch.Tensor,
               z_mask: torch.Tensor) -> torch.Tensor:
     """Hidden states predicting each token of z after the cached prompt. z, z_mask: [b, L] -> [b, L, H].
 

@@ -58,6 +58,7 @@ Run the tests with ``python -m pytest tests/unit/trainer/test_deepspeed_engine.p
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -295,11 +296,11 @@ def deepspeed_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Deep
     if models.value_head is not None:  # one backward trains both, so one engine steps both (as with torch)
         modules["value_head"] = models.value_head
         groups.append({"params": trainable_parameters(models.value_head), "lr": critic_lr})
-    common = {"betas": t.betas, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
-              "zero_stage": t.zero_stage, "micro_batch_size": t.micro_batch_size, "extra_config": t.deepspeed}
-    actor = DeepSpeedEngine(modules, groups, **common)
+    # The settings both engines share; a partial (not a dict of kwargs) keeps each one's type checked.
+    engine = functools.partial(DeepSpeedEngine, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                               zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, extra_config=t.deepspeed)
+    actor = engine(modules, groups)
     critic = None
     if models.critic is not None:
-        critic = DeepSpeedEngine({"critic": models.critic},
-                                 [{"params": trainable_parameters(models.critic), "lr": critic_lr}], **common)
+        critic = engine({"critic": models.critic}, [{"params": trainable_parameters(models.critic), "lr": critic_lr}])
     return actor, critic

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ragen_core.algos import losses
+from ragen_core.models.causal_lm import causal_lm, unwrap_lora
 
 __all__ = [
     "MIN_SHARED_PREFIX",
@@ -41,6 +42,7 @@ __all__ = [
     "policy_forward",
     "shared_prefix_groups",
     "shift_values",
+    "vocab_size",
 ]
 
 
@@ -59,11 +61,21 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     With LoRA the decoder's linear layers already carry the adapters, so calling
     it trains them; ``with model.disable_adapter():`` turns them off for a reference pass.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm(unwrap_lora(model))
     head = base.get_output_embeddings()
     if head is None:
         raise TypeError(f"{type(base).__name__} has no output layer; the actor must be a causal LM")
     return base.get_decoder(), head
+
+
+def vocab_size(head: nn.Module) -> int:
+    """Output size of a causal LM's output layer: its ``out_features``, else its weight's rows ([V, H])."""
+    out_features = getattr(head, "out_features", 0)
+    if out_features:
+        return int(out_features)
+    weight = head.weight
+    assert isinstance(weight, torch.Tensor), "an output layer's weight is a parameter, not a submodule"
+    return int(weight.shape[0])
 
 
 ONE_PIECE_LOGITS_BYTES = 256 * 2**20
@@ -200,7 +212,7 @@ def chunked_logprobs(
     h = hidden[:, start - 1 : -1]  # [B, T-start, H] states that predict tokens start..T-1
     labels = input_ids[:, start:]  # [B, T-start]
     n = h.shape[1]
-    vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
+    vocab = vocab_size(head)
     if h.shape[0] * n * vocab * 4 <= one_piece_bytes:
         chunk = max(n, 1)  # small enough: one piece, nothing recomputed in backward
     starts = list(range(0, n, chunk))

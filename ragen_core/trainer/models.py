@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ragen_core.config import ExperimentConfig, ModelConfig
-from ragen_core.models import load_model
+from ragen_core.models import causal_lm, load_model, lora_model, unwrap_lora
 from ragen_core.trainer.forward import decoder_and_head, hidden_states, policy_forward, shift_values
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 __all__ = ["PolicyModels", "ValueModel", "build_policy_models", "critic_values", "reference_logprobs", "resolve_device"]
 
@@ -78,7 +82,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _lora_config(model_cfg: ModelConfig):  # -> peft.LoraConfig
+def _lora_config(model_cfg: ModelConfig) -> LoraConfig:
     # lazily: peft is slow to import and only LoRA needs it
     from peft import LoraConfig
 
@@ -89,7 +93,7 @@ def _lora_config(model_cfg: ModelConfig):  # -> peft.LoraConfig
 
 def _enable_checkpointing(model: nn.Module) -> None:
     # Non-reentrant checkpointing works with frozen inputs (LoRA) without enable_input_require_grads.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def build_policy_models(cfg: ExperimentConfig, base: nn.Module | None = None) -> PolicyModels:
@@ -106,7 +110,7 @@ def build_policy_models(cfg: ExperimentConfig, base: nn.Module | None = None) ->
         base = load_model(mcfg.name, dtype=getattr(torch, mcfg.dtype), device=str(device))
     else:
         base = copy.deepcopy(base).to(device)
-    hidden_size = int(base.config.hidden_size)
+    hidden_size = int(causal_lm(base).config.hidden_size)
     decoder, _ = decoder_and_head(base)
 
     critic = ValueModel(copy.deepcopy(decoder), hidden_size).to(device) if acfg.critic == "separate" else None
@@ -123,16 +127,12 @@ def build_policy_models(cfg: ExperimentConfig, base: nn.Module | None = None) ->
             critic.backbone = get_peft_model(critic.backbone, _lora_config(mcfg))
     value_head = nn.Linear(hidden_size, 1).to(device) if acfg.critic == "head" else None
     if mcfg.gradient_checkpointing:
-        _enable_checkpointing(_unwrap(actor))
+        _enable_checkpointing(unwrap_lora(actor))
         if critic is not None:
-            _enable_checkpointing(_unwrap(critic.backbone))
+            _enable_checkpointing(unwrap_lora(critic.backbone))
     models = PolicyModels(actor, critic, value_head, ref, acfg.uses_reference, mcfg.lora_rank > 0)
     models.train()
     return models
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
 def critic_values(
@@ -171,6 +171,7 @@ def reference_logprobs(
     if models.ref is not None:
         return policy_forward(models.ref, input_ids, attention_mask, temperature, chunk, entropy_grad=False,
                               start=start).logprobs
-    with models.actor.disable_adapter():  # LoRA: the base model is the reference
+    # A reference without a frozen copy is LoRA's (build_policy_models), so the actor is a peft model here.
+    with lora_model(models.actor).disable_adapter():  # LoRA: the base model is the reference
         return policy_forward(models.actor, input_ids, attention_mask, temperature, chunk, entropy_grad=False,
                               start=start).logprobs

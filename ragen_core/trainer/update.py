@@ -140,9 +140,9 @@ def rank_micro_rows(n_rows: int, micro_batch_size: int, rank: int = 0, world_siz
             for s in micro_slices(n_rows, micro_batch_size * world_size)]
 
 
-def _take(x: torch.Tensor | None, rows: torch.Tensor, width: int) -> torch.Tensor | None:
+def _take(x: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
     """Rows of a per-token [B, T] tensor, cut to ``width`` columns like ``TokenBatch.select`` cuts padding."""
-    return None if x is None else x.index_select(0, rows)[:, :width]
+    return x.index_select(0, rows)[:, :width]
 
 
 def _on(batch: TokenBatch, device: torch.device) -> TokenBatch:
@@ -273,9 +273,12 @@ def _mini_batch_step(
     algo, models, device = cfg.algorithm, state.models, state.models.device
     mb = batch.select(rows)
     width = mb.input_ids.shape[1]
-    mb_adv, mb_ret, mb_values, mb_ref = (
-        None if x is None else _take(x, rows, width).to(device)
-        for x in (advantages, returns, old_values, ref_logprobs))
+    mb_adv = _take(advantages, rows, width).to(device)
+    mb_ref = None if ref_logprobs is None else _take(ref_logprobs, rows, width).to(device)
+    mb_critic = None  # (old values, returns) of the rows when the critic trains
+    if returns is not None:
+        assert old_values is not None, "update() passes returns only together with old values (train_critic)"
+        mb_critic = (_take(old_values, rows, width).to(device), _take(returns, rows, width).to(device))
     # Exact aggregation across micro-batches: every micro-batch divides by the mini-batch's count.
     # The policy, entropy and value losses are all aggregated by algo.loss_agg (SPEC §4).
     norm = losses.aggregation_normaliser(mb.loss_mask, algo.loss_agg)
@@ -288,7 +291,8 @@ def _mini_batch_step(
         micro = _on(mb.select(idx), device)
         w, n_tok = micro.input_ids.shape[1], float(micro.loss_mask.sum())
         head_targets = None  # value head: one forward and one backward for both losses
-        if mb_ret is not None and models.value_head is not None:
+        if mb_critic is not None and models.value_head is not None:
+            mb_values, mb_ret = mb_critic
             head_targets = (mb_values[idx, :w], mb_ret[idx, :w], norm)
         loss, pg_loss, head = state.actor_engine.forward(
             _actor_loss, models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w], cfg, norm,
@@ -298,7 +302,8 @@ def _mini_batch_step(
             totals["critic/value_loss"] += float(head[0]) * weight
             micro_meter.add("critic/", head[1], n_tok)
         state.actor_engine.backward(loss * weight)  # × 1.0 is exact: W = 1 is unchanged
-        if mb_ret is not None and models.critic is not None and state.critic_engine is not None:
+        if mb_critic is not None and models.critic is not None and state.critic_engine is not None:
+            mb_values, mb_ret = mb_critic
             v_loss, v_stats = state.critic_engine.forward(_critic_loss, models.critic, micro, mb_values[idx, :w],
                                                           mb_ret[idx, :w], algo, norm)
             state.critic_engine.backward(v_loss * weight)
@@ -306,7 +311,7 @@ def _mini_batch_step(
             micro_meter.add("critic/", v_stats, n_tok)
 
     meter.steps["actor/grad_norm"].append(state.actor_engine.step())
-    if mb_ret is not None and state.critic_engine is not None:
+    if mb_critic is not None and state.critic_engine is not None:
         meter.steps["critic/grad_norm"].append(state.critic_engine.step())
     for key, value in totals.items():  # micro-batch losses sum to the mini-batch loss
         meter.steps[key].append(value)

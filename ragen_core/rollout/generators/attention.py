@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def _sdpa_gqa_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    **kwargs: object,
+    **kwargs: Any,  # transformers' attention kwargs (position_bias, cache, ...), passed through as they come
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; query [B, H, Q, D], key/value [B, KV, K, D]."""
     if attention_mask is None:  # nothing padded: transformers' own path already uses native GQA

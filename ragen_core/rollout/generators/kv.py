@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 """(keys, values) of one layer: [H, L, D] for a row, [B, H, W, D] for a batch."""
@@ -67,6 +67,10 @@ class _GrowingLayer(DynamicLayer):
     are views of the filled part.
     """
 
+    # Always tensors here (set by _refresh in __init__), where DynamicLayer allows None before its first update.
+    keys: torch.Tensor
+    values: torch.Tensor
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
         super().__init__()
         self.dtype, self.device = keys.dtype, keys.device
@@ -80,7 +84,7 @@ class _GrowingLayer(DynamicLayer):
         self.keys = self._k[..., : self._length, :]
         self.values = self._v[..., : self._length, :]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> LayerKV:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> LayerKV:
         n = key_states.shape[-2]
         if self._length + n > self._k.shape[-2]:
             grown = max(2 * self._k.shape[-2], self._length + n)
@@ -118,4 +122,9 @@ def growing_cache(layers: Sequence[LayerKV], room: int) -> DynamicCache:
 
 def cache_layers(cache: DynamicCache) -> list[LayerKV]:
     """The (keys, values) tensors of every layer of a transformers cache ([B, H, W, D] each)."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    out: list[LayerKV] = []
+    for layer in cache.layers:
+        # A cache the model has just run on: every layer is a key/value layer holding tensors.
+        assert isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None
+        out.append((layer.keys, layer.values))
+    return out

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ragen_core.models import resolve_model
+from ragen_core.models import causal_lm, resolve_model
 from ragen_core.rollout.generators.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -216,7 +216,10 @@ class VLLMGenerator:
     # ------------------------------------------------------------------ helpers
 
     def _model_dir(
-        self, model: torch.nn.Module | str | os.PathLike[str], tokenizer: object | None, model_path: object
+        self,
+        model: torch.nn.Module | str | os.PathLike[str],
+        tokenizer: object | None,
+        model_path: str | os.PathLike[str] | None,
     ) -> Path:
         if model_path is not None:
             return Path(model_path)
@@ -233,7 +236,7 @@ class VLLMGenerator:
         if tokenizer is None:
             raise ValueError("VLLMGenerator needs the tokenizer (or model_path) for a model built in memory")
         self._tmp = tempfile.TemporaryDirectory(prefix="ragen-vllm-model-")
-        model.save_pretrained(self._tmp.name, safe_serialization=True)
+        causal_lm(model).save_pretrained(self._tmp.name, safe_serialization=True)
         tokenizer.save_pretrained(self._tmp.name)  # type: ignore[attr-defined]
         return Path(self._tmp.name)
 
