@@ -155,21 +155,27 @@ def _cost_chart(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], path: Pa
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.0, 4.0), layout="constrained")
+    fig = Figure(figsize=(7.0, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    for r in rows:
-        x, y = r.get("tokens"), r.get("objective")
-        if not isinstance(x, float) or not isinstance(y, float) or math.isnan(x) or math.isnan(y):
-            continue
+    points = [(r, float(r["tokens"]), float(r["objective"])) for r in rows
+              if isinstance(r.get("tokens"), float) and isinstance(r.get("objective"), float)
+              and not math.isnan(r["tokens"]) and not math.isnan(r["objective"])]
+    xs = [x for _, x, _ in points] or [0.0]
+    near = 0.04 * (max(xs) - min(xs) or 1.0)  # labels of points this close in x and within 1 point of success stack
+    placed: list[tuple[float, float]] = []
+    for r, x, y in points:
         label = ", ".join(f"{k}={r.get(k)}" for k in keys)
+        stacked = sum(abs(x - px) <= near and abs(100 * (y - py)) <= 1.0 for px, py in placed)
+        placed.append((x, y))
         ax.scatter([x], [100 * y], s=30)
         ax.annotate(f"{label} ({100 * y / max(x / 1e6, 1e-9):.0f}%/Mtok)", (x, 100 * y), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+                    xytext=(4, 4 - 10 * stacked), textcoords="offset points")
     ax.set_xlabel("generated tokens (whole run)")
     ax.set_ylabel("objective: validation success (%)")
     ax.grid(True, alpha=0.3)
-    ax.set_title(f"{title}: success against cost")
+    ax.margins(x=0.25, y=0.1)
+    ax.set_title(f"{title}\nsuccess against cost", fontsize=10)
     fig.savefig(path, format="png", dpi=100)
 
 
