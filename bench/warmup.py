@@ -42,7 +42,7 @@ from ragen_core.trainer.collapse import measure_collapse
 from ragen_core.types import Trajectory
 
 _MI_KEYS = ("mi", "mi_per_token", "cond_entropy", "marginal_entropy", "mi_upper_bound", "retrieval_acc",
-            "retrieval_chance", "retrieval_acc@2", "n_prompts", "n_reasonings", "n_first_turns", "distinct_reasonings",
+            "retrieval_chance", "retrieval_acc_top2", "n_prompts", "n_reasonings", "n_first_turns", "distinct_reasonings",
             "reasoning_tokens", "seconds")
 
 

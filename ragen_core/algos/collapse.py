@@ -91,7 +91,7 @@ def collapse_metrics(cross_logp: torch.Tensor, prompt_col: torch.Tensor,
     under distinct prompt j (sequence sums; per-token means work the same way). prompt_col: [M] long,
     the column of each reasoning's own prompt. Returns (nats where it applies):
     ``mi`` H(Z) − H(Z|X); ``cond_entropy`` H(Z|X); ``marginal_entropy`` H(Z); ``mi_upper_bound`` log N;
-    ``retrieval_acc`` and ``retrieval_chance`` (1/N); ``retrieval_acc@k`` and ``retrieval_chance@k``
+    ``retrieval_acc`` and ``retrieval_chance`` (1/N); ``retrieval_acc_top{k}`` and ``retrieval_chance_top{k}``
     (k/N) for k in :data:`RETRIEVAL_KS` below N; ``marginal_std`` the population std of log p_mix(z_i);
     ``mi_zscore`` mean_i (matched_i − marginal_i) / (marginal_std + std_eps), the reference's scale-free
     MI; ``n_reasonings`` M and ``n_prompts`` N.
@@ -113,6 +113,6 @@ def collapse_metrics(cross_logp: torch.Tensor, prompt_col: torch.Tensor,
         "n_prompts": float(n),
     }
     for k in (k for k in RETRIEVAL_KS if k < n):
-        out[f"retrieval_acc@{k}"] = float(retrieval_hits(cross_logp, prompt_col, k).mean())
-        out[f"retrieval_chance@{k}"] = k / n
+        out[f"retrieval_acc_top{k}"] = float(retrieval_hits(cross_logp, prompt_col, k).mean())
+        out[f"retrieval_chance_top{k}"] = k / n
     return out

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ragen_core.algos.collapse import MI_ZSCORE_EPS, collapse_metrics, matched_and_marginal, retrieval_hits
+from ragen_core.tracking.logger import check_metric_names
 
 LN = math.log
 
@@ -33,7 +34,7 @@ def test_two_prompts_golden() -> None:
     # -> (1 + 1 + 0.5)/3 = 0.833333; chance 1/2; no @k since no k in (2, 4, 8) is below N = 2
     assert m["retrieval_acc"] == pytest.approx(2.5 / 3)
     assert m["retrieval_chance"] == 0.5
-    assert not any(key.startswith("retrieval_acc@") for key in m)
+    assert not any(key.startswith("retrieval_acc_top") for key in m)
     # marginal log-probs ln .2, ln .4, ln .4: deviations from their mean are -2d/3, d/3, d/3 with d = ln 2,
     # so the population std is sqrt((4/9 + 1/9 + 1/9)/3) d = sqrt(2)/3 ln 2 = 0.326753;
     # mi_zscore = 0.270310 / (0.326753 + 0.001) = 0.824735
@@ -57,9 +58,9 @@ def test_top_k_retrieval_golden_with_ties() -> None:
     assert retrieval_hits(cross, col, 2).tolist() == pytest.approx([1, 0, 2 / 3, 1])
     m = collapse_metrics(cross, col)
     assert m["retrieval_acc"] == pytest.approx((0 + 0 + 1 / 3 + 1) / 4)  # 1/3
-    assert m["retrieval_acc@2"] == pytest.approx((1 + 0 + 2 / 3 + 1) / 4)  # 2/3
-    assert (m["retrieval_chance"], m["retrieval_chance@2"]) == (0.25, 0.5)
-    assert "retrieval_acc@4" not in m and "retrieval_acc@8" not in m
+    assert m["retrieval_acc_top2"] == pytest.approx((1 + 0 + 2 / 3 + 1) / 4)  # 2/3
+    assert (m["retrieval_chance"], m["retrieval_chance_top2"]) == (0.25, 0.5)
+    assert "retrieval_acc_top4" not in m and "retrieval_acc_top8" not in m
 
 
 def test_input_agnostic_reasoning_has_zero_mi_and_chance_retrieval() -> None:
@@ -76,8 +77,8 @@ def test_input_agnostic_reasoning_has_zero_mi_and_chance_retrieval() -> None:
     assert m["mi"] == pytest.approx(0.0, abs=1e-12) and m["mi_zscore"] == pytest.approx(0.0, abs=1e-9)
     assert m["cond_entropy"] == pytest.approx(5.5) and m["marginal_entropy"] == pytest.approx(5.5)
     assert m["retrieval_acc"] == pytest.approx(1 / 8) == m["retrieval_chance"]
-    assert m["retrieval_acc@2"] == pytest.approx(2 / 8) and m["retrieval_acc@4"] == pytest.approx(4 / 8)
-    assert "retrieval_acc@8" not in m  # 8 is not below N = 8
+    assert m["retrieval_acc_top2"] == pytest.approx(2 / 8) and m["retrieval_acc_top4"] == pytest.approx(4 / 8)
+    assert "retrieval_acc_top8" not in m  # 8 is not below N = 8
 
 
 def test_reasoning_that_copies_the_input_reaches_log_n() -> None:
@@ -90,7 +91,7 @@ def test_reasoning_that_copies_the_input_reaches_log_n() -> None:
     m = collapse_metrics(cross, col)
     assert m["mi"] == pytest.approx(LN(n)) and m["mi"] == pytest.approx(m["mi_upper_bound"])
     assert m["cond_entropy"] == pytest.approx(0.0) and m["marginal_entropy"] == pytest.approx(LN(n))
-    assert m["retrieval_acc"] == m["retrieval_acc@2"] == m["retrieval_acc@4"] == 1.0
+    assert m["retrieval_acc"] == m["retrieval_acc_top2"] == m["retrieval_acc_top4"] == 1.0
     # every marginal is -ln 6: std 0 (up to float rounding), so the z-score is ln 6 / eps
     assert m["marginal_std"] == pytest.approx(0.0, abs=1e-12)
     assert m["mi_zscore"] == pytest.approx(LN(n) / MI_ZSCORE_EPS, rel=1e-6)
@@ -144,3 +145,11 @@ def test_matched_and_marginal_golden() -> None:
 def test_bad_inputs_say_what_is_wrong(cross: torch.Tensor, col: torch.Tensor, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         collapse_metrics(cross, col)
+
+
+def test_every_metric_name_is_one_mlflow_accepts() -> None:
+    """The names go to MLflow as collapse/<scope>/<name>; '@2' was refused there and failed a Sokoban run."""
+    cross = -torch.rand(12, 9)
+    m = collapse_metrics(cross, torch.arange(12) % 9)
+    assert {"retrieval_acc_top2", "retrieval_acc_top4", "retrieval_acc_top8"} <= set(m)
+    check_metric_names({f"collapse/first_turn/{name}": value for name, value in m.items()})
