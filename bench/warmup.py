@@ -42,8 +42,8 @@ from ragen_core.trainer.collapse import measure_collapse
 from ragen_core.types import Trajectory
 
 _MI_KEYS = ("mi", "mi_per_token", "cond_entropy", "marginal_entropy", "mi_upper_bound", "retrieval_acc",
-            "retrieval_chance", "retrieval_acc_top2", "n_prompts", "n_reasonings", "n_first_turns", "distinct_reasonings",
-            "reasoning_tokens", "seconds")
+            "retrieval_chance", "retrieval_acc_top2", "n_prompts", "n_reasonings", "n_first_turns",
+            "distinct_reasonings", "reasoning_tokens", "seconds")
 
 
 def _examples(trajs: list[Trajectory], k: int = 3) -> list[str]:
