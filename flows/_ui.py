@@ -7,7 +7,7 @@ from types import TracebackType
 from typing import Self
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 
 class Reporter:
@@ -32,9 +32,15 @@ class Reporter:
         self._progress.console.print(line, highlight=False, soft_wrap=True)
 
     def progress(self, what: str, done: int, total: int) -> None:
+        """Move the ``what`` bar to ``done`` of ``total``; ``done == 0`` after progress starts it afresh
+        (a new rollout or evaluation)."""
         bar = self._bars.get(what)
-        if bar is None or (done == 0 and self._progress.tasks[bar].completed):
+        if bar is None or (done == 0 and self._completed(bar)):
             if bar is not None:
                 self._progress.remove_task(bar)
             bar = self._bars[what] = self._progress.add_task(what, total=total)
         self._progress.update(bar, completed=done, total=total)
+
+    def _completed(self, bar: TaskID) -> float:
+        # by id: Progress.tasks is a list in insertion order, and a removed bar shifts the positions
+        return next(task.completed for task in self._progress.tasks if task.id == bar)
