@@ -34,7 +34,7 @@ demo: $(STAMP)
 
 # Lint and type-check first: a finding fails the run before the (long) suite starts.
 test: lint typecheck
-	$(PY) -m pytest -q -m "not slow and not vllm" -p no:cacheprovider
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow or integration" -p no:cacheprovider

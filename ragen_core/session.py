@@ -475,6 +475,9 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
         sess.logger.log_artifact(final, "model")
     vals = [r["val/success"] for r in sess.history if "val/success" in r]
     first, last = (vals[0], vals[-1]) if vals else (None, None)
+    close = getattr(sess.generator, "close", None)  # a vLLM engine holds its KV cache until shut down
+    if callable(close):
+        close()
     status = "FINISHED"
     sess.logger.set_tags({"stop_reason": sess.stop_reason} if sess.stop_reason else {})
     sess.logger.close(status)

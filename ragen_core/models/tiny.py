@@ -160,8 +160,10 @@ def _tiny_model(seed: int, vocab_size: int, ids: dict[str, int]) -> PreTrainedMo
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head size 32: the smallest vLLM's CPU attention takes (so `rollout.backend: vllm` runs the tiny model
+        # too); 2 query heads share 1 KV head, so grouped-query attention stays exercised
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=ids["bos"],
@@ -183,7 +185,7 @@ def _tiny_model(seed: int, vocab_size: int, ids: dict[str, int]) -> PreTrainedMo
 def tiny_random(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """A fresh tiny Llama and its tokenizer, built in-process: same seed, same weights and ids.
 
-    hidden 64, 2 layers, 4 heads (2 KV heads), MLP 128, context 2048, tied embeddings, vocab
+    hidden 64, 2 layers, 2 heads of 32 (1 KV head), MLP 128, context 2048, tied embeddings, vocab
     ~1k byte-level BPE with the ChatML template (``<|im_start|>role\\n...<|im_end|>\\n``),
     eos = pad = ``<|im_end|>``. Each call returns new objects, so one test's training never
     leaks into another's model.
@@ -194,8 +196,9 @@ def tiny_random(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast
 
 
 def _fingerprint(model: PreTrainedModel, tokenizer_json: str) -> str:
-    """sha256 over the tokenizer and every weight: equal fingerprints mean equal models."""
+    """sha256 over the tokenizer, the config and every weight: equal fingerprints mean equal models."""
     digest = hashlib.sha256(tokenizer_json.encode("utf-8"))
+    digest.update(model.config.to_json_string(use_diff=False).encode("utf-8"))
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode("utf-8"))
         digest.update(tensor.detach().contiguous().numpy().tobytes())
