@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -118,10 +118,12 @@ class VLLMGenerator:
             # FrozenLake rollout. Whole-prompt prefills only, with a budget that fits the longest.
             engine_kw.setdefault("enable_chunked_prefill", False)
             engine_kw.setdefault("max_num_batched_tokens", max(32768, max_model_len or _context_length(path)))
-        self.llm = vllm.LLM(
+        # Any: vLLM's own annotations change between releases (and where it is missing, mypy sees none);
+        # None after close()
+        self.llm: Any = vllm.LLM(
             model=str(path),
             tokenizer=str(path),
-            dtype=dtype,
+            dtype=cast(Any, dtype),
             seed=seed,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
