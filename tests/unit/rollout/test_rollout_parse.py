@@ -131,3 +131,33 @@ def test_never_raises_and_invariants_hold(parts: list[str], think: bool, k: int)
         assert p.actions and not any(tag in p.think + p.answer for tag in ("<think>", "</answer>"))
     if not think:
         assert p.think == ""
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(_TOKENS | st.text(st.sampled_from(" \t\n\u3000x<>/"), max_size=4), max_size=40),
+       think=st.booleans())
+def test_the_one_pass_match_is_the_regex_match(parts: list[str], think: bool) -> None:
+    """The linear matcher finds what ``re.search`` of the documented pattern finds, groups and all."""
+    import re
+
+    from ragen_core.rollout import parse
+
+    text = "".join(parts)
+    pattern = r"<think>(.*?)</think>\s*<answer>(.*?)</answer>" if think else r"<answer>(.*?)</answer>"
+    m = re.search(pattern, text, re.DOTALL)
+    want = None if m is None else ((m.group(1), m.group(2)) if think else ("", m.group(1)))
+    assert parse._first_match(text, think) == want
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("text", "think"), [
+    ("<answer></answer>" + "<think></think>x" * 64_000, True),  # 1 MB; the regex took 1.5 s at 64 kB
+    ("</answer>" + "<answer>x" * 110_000, False),
+    ("<think>" + "</think> \n" * 100_000 + "<answer>Up</answer>", True),
+    ("<think>" * 150_000 + "</think><answer>Up", True),
+])
+def test_a_megabyte_reply_cannot_hang_the_parser(text: str, think: bool) -> None:
+    """Hostile replies of about 1 MB parse at once (a guard against a hang, not a timing: the quadratic
+    regex needed minutes for these; one pass needs milliseconds)."""
+    p = parse_response(text, think=think)
+    assert p.error in {"", "no match", "empty answer", "nested tag"}
