@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ragen demo
 
 # Lint and type-check first: a finding fails the run before the (long) suite starts.
-test: lint typecheck
+test: lint typecheck locks
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
 test-slow: $(STAMP)

@@ -41,15 +41,19 @@ def _vllm_logprobs(generator, ids: list[int], start: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_vllm_holds_the_trainers_weights_after_each_update(data_dir, lora: bool) -> None:
+def test_vllm_holds_the_trainers_weights_after_each_update(data_dir, monkeypatch, lora: bool) -> None:
     from ragen_core import session
     from ragen_core.tracking import NullLogger
 
     overrides = ["rollout.backend=vllm", "trainer.actor_lr=1e-2", "trainer.iterations=1", "eval.every=0",
                  "trainer.checkpoint_every=0", *(["model.lora_rank=8", "model.lora_alpha=16"] if lora else [])]
     cfg = load_experiment(SMOKE, overrides)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
     sess = session.open_session(cfg, NullLogger(), say=lambda line: None)
     try:
+        # unless OMP_NUM_THREADS is set, vLLM's in-process engine lowers torch to 1 thread, the update's too
+        assert torch.get_num_threads() == threads
         text = sess.tokenizer.apply_chat_template([{"role": "user", "content": "Which arm do you pull?"}],
                                                   add_generation_prompt=True, tokenize=False)
         prompt = sess.tokenizer.encode(text)

@@ -20,14 +20,15 @@ engine need an ``if __name__ == "__main__":`` guard (vLLM spawns processes).
 
 CPU defaults (set only when unset; measured on a 2-core machine): vLLM binds one core and reserves a
 large KV cache by default, so ``VLLM_CPU_OMP_THREADS_BIND`` = all cores this process may use,
-``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` and ``VLLM_CPU_KVCACHE_SPACE`` = ``kv_cache_gib`` (4);
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_CPU_KVCACHE_SPACE`` = ``kv_cache_gib`` (4) and
+``OMP_NUM_THREADS`` = torch's thread count;
 ``enforce_eager=True`` (starts in ~20 s instead of ~100 s of compilation) and ``dtype=float32``.
 
 Run: ``.venv/bin/python -m pytest -m vllm tests/integration/test_vllm_backend.py tests/flows/test_vllm_in_flow.py``
 (the second file is part of ``make test``: the backend inside the training flow, and the weight sync).
 
 In-process on CPU, vLLM lowers torch's thread count to 1 for the whole process unless ``OMP_NUM_THREADS``
-is set, which would leave the trainer's update on one core: see ``cpu_env_defaults``.
+is set, which would leave the trainer's update on one core; ``cpu_env_defaults`` sets it to torch's count.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def cpu_env_defaults(kv_cache_gib: int = 4) -> dict[str, str]:
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # Unset, an in-process engine lowers torch's threads to 1 for the whole process, the trainer's
+        # update included: the demo's update took 27-50 s an iteration instead of 6.7 s (2 cores, loaded).
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
     }
 
 
