@@ -363,7 +363,7 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
         sample = rollouts.trajectories[: cfg.tracking.sample_trajectories]
         if sample:
             sess.logger.log_text(trajectories_text(sample), f"samples/iter={step:04d}.txt")
-        sess.logger.log_artifact(shard, f"rollouts/iter={step:04d}")
+        sess.logger.log_artifact(shard, f"rollouts/iteration={step}")  # the run folder's partition name
     row = {"iteration": step, **metrics}
     sess.history.append(row)
     sess.folder.append_history(row)

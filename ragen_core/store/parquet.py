@@ -6,8 +6,10 @@
     df = read_run(run)                                    # pandas, all iterations, column 'iteration'
     trajs = read_trajectories(df[df.iteration == 3])      # back to Trajectory records
 
-Layout: ``$RAGEN_DATA_DIR/runs/<run>/rollouts/iter=NNNN/part-0.parquet`` (the paths come from
-store/run_dir.py, which owns a run folder's layout). One row per trajectory
+Layout: ``$RAGEN_DATA_DIR/runs/<run>/rollouts/iteration=N/part-0.parquet`` (the paths come from
+store/run_dir.py, which owns a run folder's layout). Runs written before 2026-11-25 have
+``rollouts/iter=NNNN/`` (zero-padded, a key DuckDB read as text and named unlike the column); the readers
+here accept both, and rewriting an iteration of such a run moves it to the new name. One row per trajectory
 with its turns nested (``list<struct>``: prompt and response ids as ``list<int32>``, sampling
 log-probs as ``list<float32>``, the dtype they were sampled in), token counts, and ``kept`` (did
 the StarPO-S filter keep the trajectory's group). ``schema_version`` is a column and is also in
@@ -20,8 +22,10 @@ a ``*.parquet`` glob, so a reader never sees a half-written file.
 
 DuckDB reads a run directly::
 
-    duckdb.sql("select iter::int as it, avg(success::int) from read_parquet('data/runs/R/rollouts/*/*.parquet',"
-               " hive_partitioning=true) group by it order by it")   # iter=0003 reads as text
+    duckdb.sql("select iteration, avg(success::int) from read_parquet('data/runs/R/rollouts/*/*.parquet',"
+               " hive_partitioning=true) group by iteration order by iteration")   # iteration is an integer
+
+and so does ``pyarrow.dataset.dataset(root, partitioning="hive")`` or ``pandas.read_parquet(root)``.
 
 Run its tests: ``.venv/bin/python -m pytest tests/unit/store -q``.
 """
@@ -31,15 +35,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from ragen_core.store.run_dir import SHARD_FILE, rollouts_dir, shard_path
+from ragen_core.store.run_dir import PARTITION_KEY, SHARD_FILE, legacy_shard_path, rollouts_dir, shard_path
 from ragen_core.types import Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -149,6 +154,9 @@ def write_shard(run: str | os.PathLike[str], iteration: int, trajectories: Seque
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+    legacy = legacy_shard_path(run, iteration)
+    if legacy.exists():  # the same iteration of an old-layout run, rewritten: one shard per iteration
+        shutil.rmtree(legacy.parent, ignore_errors=True)
     return final
 
 
@@ -188,23 +196,28 @@ def read_shard(path: str | os.PathLike[str]) -> pd.DataFrame:
     return table.to_pandas()
 
 
+_PARTITION = re.compile(rf"^(?:{PARTITION_KEY}|iter)=(\d+)$")
+"""A shard folder's name: ``iteration=N``, or the legacy ``iter=NNNN``."""
+
+
 def read_run(run: str | os.PathLike[str]) -> pd.DataFrame:
     """All shards of a run as one DataFrame, with an ``iteration`` column, ordered by iteration.
 
-    Empty (with the schema's columns) when the run has no complete shard yet.
+    Reads both partition layouts (module docstring). Empty (with the schema's columns) when the run has no
+    complete shard yet.
     """
     root = rollouts_dir(run)
-    if not root.is_dir():
+    shards = sorted((int(m.group(1)), folder / SHARD_FILE) for folder in (root.iterdir() if root.is_dir() else [])
+                    if (m := _PARTITION.match(folder.name)) and (folder / SHARD_FILE).is_file())
+    if not shards:
         return _empty_frame()
-    partitioning = ds.partitioning(pa.schema([("iter", pa.int32())]), flavor="hive")
-    dataset = ds.dataset(root, format="parquet", partitioning=partitioning, ignore_prefixes=[".", "_"])
-    if not dataset.files:
-        return _empty_frame()
-    for fragment in dataset.get_fragments():
-        _check_version(fragment.physical_schema, fragment.path)
-    table = dataset.to_table().rename_columns([("iteration" if c == "iter" else c) for c in dataset.schema.names])
-    frame = table.to_pandas()
-    return frame.sort_values("iteration", kind="stable").reset_index(drop=True)
+    tables = []
+    for iteration, path in shards:
+        table = pq.read_table(path)
+        _check_version(table.schema, str(path))
+        tables.append(table.append_column(PARTITION_KEY, pa.array([iteration] * table.num_rows, pa.int32())))
+    frame = pa.concat_tables(tables, promote_options="default").to_pandas()
+    return frame.sort_values(PARTITION_KEY, kind="stable").reset_index(drop=True)
 
 
 def _empty_frame() -> pd.DataFrame:

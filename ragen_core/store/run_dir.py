@@ -13,7 +13,8 @@ Layout of ``$RAGEN_DATA_DIR/runs/<name>/``::
     config.yaml                          the resolved config (``ragen train --resume`` reads it back)
     history.jsonl                        one JSON row per iteration (and one per final evaluation)
     checkpoints/iter=NNNNNN/             the last few training checkpoints (trainer/checkpoint.py)
-    rollouts/iter=NNNN/part-0.parquet    one trajectory shard per iteration (store/parquet.py)
+    rollouts/iteration=N/part-0.parquet  one trajectory shard per iteration (store/parquet.py; runs written
+                                         before 2026-11-25 have rollouts/iter=NNNN/, which readers accept)
     final-model/                         the trained model (or adapter) at the end of a run
     curves.png                           the run's curves at the end of a run
 
@@ -41,8 +42,8 @@ from ragen_core.types import Trajectory
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["CONFIG_FILE", "HISTORY_FILE", "SHARD_FILE", "RunDir", "check_run_name", "rollouts_dir", "runs_root",
-           "shard_path"]
+__all__ = ["CONFIG_FILE", "HISTORY_FILE", "PARTITION_KEY", "SHARD_FILE", "RunDir", "check_run_name",
+           "legacy_shard_path", "rollouts_dir", "runs_root", "shard_path"]
 
 CONFIG_FILE = "config.yaml"
 HISTORY_FILE = "history.jsonl"
@@ -61,15 +62,25 @@ def check_run_name(name: str) -> str:
     return name
 
 
+PARTITION_KEY = "iteration"
+"""The shards' hive partition key: the column's own name."""
+
+
 def rollouts_dir(run: str | os.PathLike[str]) -> Path:
     """``<run>/rollouts``: the trajectory shards of a run."""
     return Path(run) / "rollouts"
 
 
 def shard_path(run: str | os.PathLike[str], iteration: int) -> Path:
-    """``<run>/rollouts/iter=NNNN/part-0.parquet``."""
+    """``<run>/rollouts/iteration=N/part-0.parquet``: a hive partition named as the column, unpadded, so
+    pyarrow datasets, pandas and DuckDB read the key as the integer column ``iteration``."""
     if iteration < 0:
         raise ValueError(f"iteration must be >= 0, got {iteration}")
+    return rollouts_dir(run) / f"{PARTITION_KEY}={iteration}" / SHARD_FILE
+
+
+def legacy_shard_path(run: str | os.PathLike[str], iteration: int) -> Path:
+    """``<run>/rollouts/iter=NNNN/part-0.parquet``: where runs written before 2026-11-25 keep a shard."""
     return rollouts_dir(run) / f"iter={iteration:04d}" / SHARD_FILE
 
 

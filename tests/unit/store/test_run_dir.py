@@ -36,7 +36,7 @@ def test_named_follows_ragen_data_dir_and_creates_nothing(data: Path) -> None:
     run = RunDir.named("exp-1")
     assert run.path == data / "runs" / "exp-1" and run.name == "exp-1"
     assert not run.path.exists()
-    assert run.shard_path(7).parts[-3:] == ("rollouts", "iter=0007", "part-0.parquet")
+    assert run.shard_path(7).parts[-3:] == ("rollouts", "iteration=7", "part-0.parquet")
     assert run.shard_path(7) == parquet.shard_path(run.path, 7)  # the Parquet store uses the same layout
 
 

@@ -52,7 +52,7 @@ def test_round_trip_is_exact(tmp_path: Path, rollouts: tuple[list[Trajectory], R
     everything = [*trajs, _hand()]
     kept = [True, False, True, True, False]
     path = store.write_shard(tmp_path, 0, everything, kept)
-    assert path == tmp_path / "rollouts" / "iter=0000" / "part-0.parquet"
+    assert path == tmp_path / "rollouts" / "iteration=0" / "part-0.parquet"
     frame = store.read_run(tmp_path)
     assert frame["kept"].tolist() == kept and frame["iteration"].tolist() == [0] * 5
     assert frame["schema_version"].tolist() == [store.SCHEMA_VERSION] * 5
@@ -84,13 +84,20 @@ def test_several_iterations_pandas_and_duckdb(tmp_path: Path, rollouts: tuple[li
     assert frame["iteration"].tolist() == [0] * 4 + [1] * 4 + [12] * 4
     assert frame.groupby("iteration")["kept"].sum().to_dict() == {0: 2, 1: 2, 12: 4}
     glob = f"{tmp_path}/rollouts/*/*.parquet"
-    rows = duckdb.sql(
-        # zero-padded partition values read as text in DuckDB, hence the cast
-        f"select iter::int as it, count(*), sum(kept::int), sum(len(turns)) "
-        f"from read_parquet('{glob}', hive_partitioning=true) group by it order by it"
-    ).fetchall()
+    query = (f"select iteration, count(*), sum(kept::int), sum(len(turns)) "
+             f"from read_parquet('{glob}', hive_partitioning=true) group by iteration order by iteration")
+    rows = duckdb.sql(query).fetchall()  # the key is the column's name and an integer: no cast, numeric order
     n_turns = sum(len(t.turns) for t in trajs)
     assert rows == [(0, 4, 2, n_turns), (1, 4, 2, n_turns), (12, 4, 4, n_turns)]
+    assert duckdb.sql(f"select typeof(iteration) from read_parquet('{glob}', hive_partitioning=true) limit 1"
+                      ).fetchall() == [("BIGINT",)]
+    # pyarrow datasets and pandas infer the same integer key from the folder names
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(tmp_path / "rollouts", format="parquet", partitioning="hive").to_table()
+    assert pa.types.is_integer(table.schema.field("iteration").type)
+    assert sorted(set(pd.read_parquet(tmp_path / "rollouts")["iteration"].astype(int))) == [0, 1, 12]
     # rewriting an iteration replaces its shard whole
     store.write_shard(tmp_path, 1, trajs[:1], [True])
     assert store.read_run(tmp_path)["iteration"].tolist() == [0] * 4 + [1] + [12] * 4
@@ -104,7 +111,7 @@ def test_empty_run_reads_as_an_empty_frame(tmp_path: Path) -> None:
 
 def test_writer_and_reader_take_a_run_dir(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "r")
-    assert store.write_shard(run, 7, [_hand()]) == run.shard_path(7) == tmp_path / "r/rollouts/iter=0007/part-0.parquet"
+    assert store.write_shard(run, 7, [_hand()]) == run.shard_path(7) == tmp_path / "r/rollouts/iteration=7/part-0.parquet"
     assert store.read_trajectories(run.read_rollouts()) == [_hand()]
     assert run.write_shard(8, [_hand()], [False]) == run.shard_path(8)
     assert store.read_run(run).iteration.tolist() == [7, 8]
@@ -118,7 +125,7 @@ def test_kept_must_match(tmp_path: Path) -> None:
 def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
     table = store.to_table([_hand()])
     table = table.replace_schema_metadata({b"ragen.schema_version": b"99"})
-    folder = tmp_path / "rollouts" / "iter=0000"
+    folder = tmp_path / "rollouts" / "iteration=0"
     folder.mkdir(parents=True)
     pq.write_table(table, folder / "part-0.parquet")
     with pytest.raises(ValueError, match="upgrade ragen"):
@@ -135,7 +142,7 @@ def test_writer_failing_midway_leaves_old_shard_and_no_temp(tmp_path: Path, monk
     monkeypatch.setattr(store.pq, "write_table", half_write)
     with pytest.raises(OSError, match="disk full"):
         store.write_shard(tmp_path, 2, [_hand(), _hand()])
-    folder = tmp_path / "rollouts" / "iter=0002"
+    folder = tmp_path / "rollouts" / "iteration=2"
     assert [p.name for p in folder.iterdir()] == ["part-0.parquet"]
     assert store.read_trajectories(tmp_path) == [_hand()]
 
@@ -159,7 +166,7 @@ def test_write_killed_midway_leaves_no_shard(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
-        folder = tmp_path / "rollouts" / "iter=0005"
+        folder = tmp_path / "rollouts" / "iteration=5"
         temps = list(folder.glob(".part-0.parquet.tmp-*"))
         assert len(temps) == 1 and temps[0].stat().st_size > 1_000  # the unpublished file exists
     finally:
@@ -175,3 +182,22 @@ def test_write_killed_midway_leaves_no_shard(tmp_path: Path) -> None:
     store.write_shard(tmp_path, 5, [_hand()])
     assert [p.name for p in folder.iterdir()] == ["part-0.parquet"]
     assert store.read_trajectories(tmp_path) == [_hand()]
+
+
+def test_runs_in_the_old_iter_layout_still_read_and_move_when_rewritten(tmp_path: Path) -> None:
+    """Runs written before the rename keep ``rollouts/iter=NNNN/``: read_run takes both; rewriting one of their
+    iterations leaves a single shard, in the new place."""
+    from ragen_core.store.run_dir import legacy_shard_path
+
+    for it in (0, 1):
+        store.write_shard(tmp_path, it, [_hand()], [True])
+        old = legacy_shard_path(tmp_path, it)
+        old.parent.mkdir(parents=True)
+        store.shard_path(tmp_path, it).rename(old)
+        store.shard_path(tmp_path, it).parent.rmdir()
+    store.write_shard(tmp_path, 2, [_hand(), _hand()], [True, False])  # a resumed old run goes on in the new one
+    frame = store.read_run(tmp_path)
+    assert frame["iteration"].tolist() == [0, 1, 2, 2]
+    store.write_shard(tmp_path, 1, [_hand(), _hand()], [False, False])
+    assert store.read_run(tmp_path)["iteration"].tolist() == [0, 1, 1, 2, 2]
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["iter=0000", "iteration=1", "iteration=2"]
