@@ -5,6 +5,7 @@
     ragen sweep sweeps/smoke.yaml       ragen model fetch | warmup
     ragen study studies/echo-trap-bandit.yaml
     ragen envs                          ragen play Sokoban --seed 3
+    ragen show RUN --iter 3 --kept      (a run's dialogues; --html PAGE writes them as a page)
     ragen demo                          (the README's main job)
 
 Heavy modules (torch, prefect, mlflow) are imported inside the commands so `--help`
@@ -213,6 +214,30 @@ def play(
     if env not in list_envs():
         _fail(f"unknown env {env!r}; choose one of {', '.join(list_envs())}")
     play_env(env, seed=seed)
+
+
+@app.command()
+def show(
+    run: Annotated[str, typer.Argument(help="run name or run directory")],
+    iteration: Annotated[int | None, typer.Option("--iter", help="iteration (default: the last)")] = None,
+    group: Annotated[int | None, typer.Option(help="one prompt group only")] = None,
+    kept: Annotated[bool | None, typer.Option("--kept/--dropped", help="only what the filter kept / dropped")] = None,
+    html: Annotated[Path | None, typer.Option(help="write the selection as an HTML page here instead")] = None,
+) -> None:
+    """Read a run's dialogues: states, replies, actions, rewards and the filter's kept flag."""
+    from ragen_core.store.run_dir import RunDir
+    from ragen_core.tracking.viewer import iteration_html, select
+    from ragen_core.tracking.viewer import show as show_selection
+
+    try:
+        selection = select(RunDir.find(run).path, iteration, group, kept)
+    except (FileNotFoundError, ValueError) as e:
+        _fail(str(e), code=1)
+    if html is None:
+        show_selection(selection, Console())
+        return
+    html.write_text(iteration_html(selection), encoding="utf-8")
+    console.print(f"wrote {html}")
 
 
 @app.command()

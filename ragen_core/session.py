@@ -39,6 +39,7 @@ from ragen_core.rollout.metrics import rollout_metrics
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking import CollapseMonitor, EarlyStopRules, MetricLogger, plot_curves, trajectories_text
 from ragen_core.tracking.early_stop import HEALTH_STOP
+from ragen_core.tracking.viewer import html_for_iteration
 from ragen_core.trainer import (
     TrainState,
     filter_batch,
@@ -364,6 +365,8 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
         if sample:
             sess.logger.log_text(trajectories_text(sample), f"samples/iter={step:04d}.txt")
         sess.logger.log_artifact(shard, f"rollouts/iteration={step}")  # the run folder's partition name
+        page = html_for_iteration(rollouts.trajectories, selection.kept, sess.name, step)
+        sess.logger.log_text(page, f"viewer/iteration={step}.html")  # states, thoughts, actions, rewards, kept
     row = {"iteration": step, **metrics}
     sess.history.append(row)
     sess.folder.append_history(row)

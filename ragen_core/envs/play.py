@@ -20,9 +20,14 @@ from rich.text import Text
 
 from ragen_core.envs.registry import env_spec, list_envs, make
 
-__all__ = ["describe_envs", "play"]
+__all__ = ["describe_envs", "play", "state_panel"]
 
 _QUIT = {"q", "quit", "exit"}
+
+
+def state_panel(observation: str, title: str) -> Panel:
+    """An env state as ``ragen play`` draws it (``ragen show`` draws a run's states the same way)."""
+    return Panel(Text(observation), title=Text(title), expand=False)
 
 
 def describe_envs() -> list[tuple[str, str]]:
@@ -52,7 +57,7 @@ def play(name: str, seed: int, console: Console | None = None, input_fn: Callabl
         console.print(table)
     total, steps = 0.0, 0
     while True:
-        console.print(Panel(Text(obs), title=Text(f"step {steps}"), expand=False))
+        console.print(state_panel(obs, f"step {steps}"))
         names = env.action_names
         listing = "  ".join(f"{i}) {n}" for i, n in enumerate(names, 1))
         console.print(Text(f"Actions: {listing}   (q quits)"))
@@ -75,7 +80,7 @@ def play(name: str, seed: int, console: Console | None = None, input_fn: Callabl
         line = f"reward {reward:+.2f}   total {total:+.2f}" + (f"   ({'; '.join(notes)})" if notes else "")
         console.print(Text(line, style="bold"))
         if terminated or truncated:
-            console.print(Panel(Text(obs), title=Text("final"), expand=False))
+            console.print(state_panel(obs, "final"))
             verdict = "success!" if info.get("success") else ("out of steps" if truncated else "episode over")
             console.print(Text(f"{verdict}  {steps} steps, total reward {total:+.2f}", style="bold"))
             return

@@ -91,8 +91,8 @@ def _first_match(text: str, think: bool) -> tuple[str, str] | None:
     ``re.search`` is quadratic here: it retries the lazy pattern from every ``<think>``, and a 64 kB reply of
     ``<think></think>x`` blocks took 1.5 s (340 kB did not finish in 5 s). The same match, found directly:
     the leftmost ``<think>`` can always start the match if any start can (every later start sees a subset of
-    its candidates), and its lazy group ends at the first ``</think>`` followed by ``\s*<answer>``; the answer
-    ends at the first ``</answer>`` after that, and if there is none, no later candidate has one either.
+    its candidates), and its lazy group ends at the first ``</think>`` followed by whitespace and ``<answer>``;
+    the answer ends at the first ``</answer>`` after that, and if there is none, no later candidate has one either.
     """
     if not think:
         start = text.find("<answer>")

@@ -74,7 +74,8 @@ def test_metrics_tags_and_artifacts_in_mlflow(smoke_run) -> None:
     arts = _artifacts(client, run.info.run_id)
     assert "config.yaml" in arts
     assert any(a.startswith("samples/") for a in arts)
-    assert any(a.startswith("rollouts/") and a.endswith(".parquet") for a in arts)
+    assert any(a.startswith("rollouts/iteration=") and a.endswith(".parquet") for a in arts)
+    assert {"viewer/iteration=0.html", "viewer/iteration=1.html"} <= arts  # the trajectory viewer's pages
     assert any(a.startswith("plots/") and a.endswith(".png") for a in arts)
     assert any(a.startswith("model/") for a in arts)
     assert run.info.status == "FINISHED"

@@ -111,7 +111,8 @@ def test_empty_run_reads_as_an_empty_frame(tmp_path: Path) -> None:
 
 def test_writer_and_reader_take_a_run_dir(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "r")
-    assert store.write_shard(run, 7, [_hand()]) == run.shard_path(7) == tmp_path / "r/rollouts/iteration=7/part-0.parquet"
+    path = store.write_shard(run, 7, [_hand()])
+    assert path == run.shard_path(7) == tmp_path / "r/rollouts/iteration=7/part-0.parquet"
     assert store.read_trajectories(run.read_rollouts()) == [_hand()]
     assert run.write_shard(8, [_hand()], [False]) == run.shard_path(8)
     assert store.read_run(run).iteration.tolist() == [7, 8]
