@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ragen_core.algos.collapse import MI_ZSCORE_EPS
-from ragen_core.config import ExperimentConfig, load_experiment, to_dict
+from ragen_core.config import ConfigError, ExperimentConfig, load_experiment, to_dict
 from ragen_core.models import causal_lm, load_model, load_tokenizer
 from ragen_core.rollout.batch import build_token_batch
 from ragen_core.rollout.evaluate import evaluate, heldout_seeds
@@ -147,6 +147,9 @@ def new_run_name(cfg: ExperimentConfig) -> str:
 def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, RunDir]:
     """The saved resolved config of a run (name or folder; plus overrides, e.g. more iterations) and its folder."""
     folder = RunDir.find(run)
+    problem = folder.config_problem()  # a cut config.yaml would resume with defaults for its missing keys
+    if problem:
+        raise ConfigError(f"cannot resume {folder.name}: {problem}")
     return load_experiment(folder.config_path, overrides), folder
 
 

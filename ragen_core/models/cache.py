@@ -85,7 +85,7 @@ def models_lock(progress: Progress | None) -> Iterator[None]:
 # --------------------------------------------------------------------------- marker checks
 
 
-def _safetensors_problem(path: Path) -> str | None:
+def safetensors_problem(path: Path) -> str | None:
     """Why ``path`` is not a complete safetensors file, or None when its size matches its header.
 
     Format: 8-byte little-endian header length N, N bytes of JSON, then the tensor data; a
@@ -137,7 +137,7 @@ def check_model_dir(path: Path) -> str | None:
         if file.stat().st_size != size:
             return f"{name} has {file.stat().st_size} bytes, {MARKER} says {size}"
         if name.endswith(".safetensors"):
-            problem = _safetensors_problem(file)
+            problem = safetensors_problem(file)
             if problem is not None:
                 return problem
     return None

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ragen_core.store.files import fsync_dir, pid_alive
 from ragen_core.store.run_dir import PARTITION_KEY, SHARD_FILE, legacy_shard_path, rollouts_dir, shard_path
 from ragen_core.types import Trajectory, Turn
 
@@ -150,6 +151,7 @@ def write_shard(run: str | os.PathLike[str], iteration: int, trajectories: Seque
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, final)
+        fsync_dir(final.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -164,19 +166,9 @@ def _remove_stale_temps(folder: Path) -> None:
     """Delete temp shards whose writer process no longer exists."""
     for path in folder.glob(f".{SHARD_FILE}.tmp-*"):
         pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------- reading

@@ -27,8 +27,11 @@ Run its tests: ``.venv/bin/python -m pytest tests/unit/store -q``.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,17 +40,65 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ragen_core.config import data_dir
+from ragen_core.store.files import atomic_write_text, fsync_dir, pid_alive
 from ragen_core.types import Trajectory
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["CONFIG_FILE", "HISTORY_FILE", "PARTITION_KEY", "SHARD_FILE", "RunDir", "check_run_name",
-           "legacy_shard_path", "rollouts_dir", "runs_root", "shard_path"]
+__all__ = ["CONFIG_END", "CONFIG_FILE", "HISTORY_FILE", "PARTITION_KEY", "SHARD_FILE", "RunDir", "check_run_name",
+           "checkpoint_problem", "legacy_shard_path", "rollouts_dir", "runs_root", "shard_path"]
 
 CONFIG_FILE = "config.yaml"
+CONFIG_END = "# ragen: end of config"
+"""The last line of a whole config.yaml (:meth:`RunDir.config_problem`)."""
 HISTORY_FILE = "history.jsonl"
 SHARD_FILE = "part-0.parquet"
+
+
+log = logging.getLogger("ragen")
+
+_LEFTOVER = re.compile(r"^\.(?P<kind>tmp|old)-(?P<name>iter=\d+)-(?P<pid>\d+)$")
+"""A checkpoint writer's temp or set-aside folder (trainer/checkpoint.py names them so)."""
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint folder is not whole, or None. state.json is written last, into the temp folder,
+    before the rename that publishes it: it must parse; every ``*.safetensors`` must end where its header
+    says; every ``*.pt`` must be a readable zip (torch's format) whose entries pass their CRC check; and the
+    sizes listed in state.json's ``files`` (checkpoints from 2026-11-25 on) must match."""
+    from ragen_core.models.cache import safetensors_problem  # lazily: models imports transformers only on use
+
+    try:
+        meta = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"state.json unreadable ({e})"
+    for name, size in dict(meta.get("files", {})).items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != size:
+            return f"{name} is missing or has the wrong size"
+    for file in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(file)
+        if problem:
+            return problem
+    for file in sorted(path.glob("*.pt")):
+        try:
+            with zipfile.ZipFile(file) as archive:
+                broken = archive.testzip()
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"{file.name} is not a readable torch file ({e})"
+        if broken is not None:
+            return f"{file.name}: entry {broken} fails its CRC check"
+    return None
+
+
+def _keys(data: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted paths of every leaf of nested dicts."""
+    out: set[str] = set()
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        out |= _keys(value, path + ".") if isinstance(value, dict) and value else {path}
+    return out
 
 
 def runs_root() -> Path:
@@ -140,9 +191,35 @@ class RunDir:
         return self.path / CONFIG_FILE
 
     def write_config(self, data: dict[str, Any]) -> Path:
-        """The resolved config (``config.to_dict``) as YAML, fields in the given order; returns the path."""
-        self.config_path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
-        return self.config_path
+        """The resolved config (``config.to_dict``) as YAML, fields in the given order, written atomically and
+        closed by :data:`CONFIG_END` so that a cut file is told from a whole one; returns the path."""
+        text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True) + CONFIG_END + "\n"
+        return atomic_write_text(self.config_path, text)
+
+    def config_problem(self) -> str | None:
+        """Why config.yaml cannot be trusted to be whole (None when it can).
+
+        A cut YAML file often still parses, and its missing keys would silently take their defaults on resume.
+        Whole: it ends with :data:`CONFIG_END`; or, for a file written before that line existed (2026-11-25),
+        it has every key of the config saved in the newest checkpoint's state.json.
+        """
+        if not self.config_path.is_file():
+            return f"{self.config_path} does not exist"
+        text = self.config_path.read_text(encoding="utf-8", errors="replace")
+        if text.rstrip("\n").endswith(CONFIG_END):
+            return None
+        cut = f"{self.config_path} is cut short (it does not end with {CONFIG_END!r})"
+        ckpt = self.latest_checkpoint()
+        try:
+            saved = json.loads((ckpt / "state.json").read_text())["config"] if ckpt else None
+            written = yaml.safe_load(text)
+        except (OSError, ValueError, KeyError, yaml.YAMLError):
+            return cut
+        if not isinstance(saved, dict) or not isinstance(written, dict) or _keys(saved) - _keys(written):
+            return cut
+        log.warning("%s has no end marker (written before 2026-11-25); it has every key of %s", self.config_path,
+                    ckpt)
+        return None
 
     def read_config(self) -> dict[str, Any]:
         """The saved config as plain YAML data ({} for an empty file); use ``load_experiment`` for a checked one."""
@@ -155,15 +232,69 @@ class RunDir:
         return self.path / HISTORY_FILE
 
     def append_history(self, row: dict[str, Any]) -> None:
-        """Add one row (one JSON line) to history.jsonl."""
+        """Add one row (one JSON line) to history.jsonl, fsynced. A torn last line (a kill mid-write) is first
+        moved to ``history.jsonl.torn`` (nothing is deleted), so the new row starts a line of its own."""
+        self._set_torn_tail_aside()
         with open(self.history_path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
 
     def read_history(self) -> list[dict[str, Any]]:
-        """Every row of history.jsonl in order ([] when there is none yet); blank lines are skipped."""
+        """Every row of history.jsonl in order ([] when there is none yet); blank lines are skipped.
+
+        Tolerant, so a kill mid-write never blocks a resume or ``ragen eval``: a torn last line is dropped with
+        a warning; a corrupt line in the middle is skipped with a warning and copied to
+        ``history.jsonl.corrupt`` (the file itself is left as it is).
+        """
         if not self.history_path.exists():
             return []
-        return [json.loads(line) for line in self.history_path.read_text().splitlines() if line.strip()]
+        raw = self.history_path.read_bytes()
+        lines = raw.split(b"\n")
+        rows: list[dict[str, Any]] = []
+        bad: list[bytes] = []
+        for k, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not an object")
+                rows.append(row)
+            except ValueError:
+                if k == len(lines) - 1:  # no newline after it: the write was cut
+                    log.warning("%s: dropped a torn last line (%d bytes)", self.history_path, len(line))
+                else:
+                    bad.append(line)
+        if bad:
+            log.warning("%s: skipped %d corrupt line(s); copied to %s", self.history_path, len(bad),
+                        self.history_path.with_name(HISTORY_FILE + ".corrupt"))
+            with open(self.history_path.with_name(HISTORY_FILE + ".corrupt"), "ab") as fh:
+                fh.write(b"\n".join(bad) + b"\n")
+        return rows
+
+    def _set_torn_tail_aside(self) -> None:
+        try:
+            with open(self.history_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                if size == 0:
+                    return
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) == b"\n":
+                    return
+                fh.seek(0)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        keep = data.rfind(b"\n") + 1
+        with open(self.history_path.with_name(HISTORY_FILE + ".torn"), "ab") as fh:
+            fh.write(data[keep:] + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.truncate(self.history_path, keep)
+        log.warning("%s: moved a torn last line (%d bytes) to %s.torn", self.history_path, len(data) - keep,
+                    HISTORY_FILE)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -180,8 +311,37 @@ class RunDir:
         return sorted(self.checkpoints_dir.glob("iter=*"))
 
     def latest_checkpoint(self) -> Path | None:
-        ckpts = self.checkpoints()
-        return ckpts[-1] if ckpts else None
+        """The newest intact checkpoint, after repairing what a kill can leave behind (None: there is none).
+
+        - A kill between the two renames of a re-save (trainer/checkpoint.py) leaves ``.old-iter=N-PID`` and no
+          ``iter=N``: the old folder is renamed back.
+        - ``.tmp-iter=N-PID`` / ``.old-iter=N-PID`` folders of processes that are gone are removed.
+        - A checkpoint that is not whole (:func:`checkpoint_problem`) is passed over, with a warning, for the
+          newest one that is; it is left on disk for a person to look at.
+        """
+        self._recover_checkpoints()
+        for path in reversed(self.checkpoints()):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            log.warning("checkpoint %s is not whole (%s): falling back to an older one", path, problem)
+        return None
+
+    def _recover_checkpoints(self) -> None:
+        if not self.checkpoints_dir.is_dir():
+            return
+        for path in sorted(self.checkpoints_dir.iterdir()):
+            m = _LEFTOVER.match(path.name)
+            if m is None or (pid_alive(int(m.group("pid"))) and int(m.group("pid")) != os.getpid()):
+                continue
+            final = self.checkpoints_dir / m.group("name")
+            if m.group("kind") == "old" and not final.exists() and checkpoint_problem(path) is None:
+                os.replace(path, final)
+                fsync_dir(self.checkpoints_dir)
+                log.warning("restored checkpoint %s from %s (a kill between the renames of a re-save)", final,
+                            path.name)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
     def prune_checkpoints(self, keep: int) -> list[Path]:
         """Delete all but the newest ``keep`` checkpoints (keep >= 1); returns the ones deleted."""

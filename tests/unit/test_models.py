@@ -376,21 +376,21 @@ def test_check_model_dir_reports_why(tmp_path: Path) -> None:
     assert models.MARKER in models.check_model_dir(tmp_path / "m")
 
 
-def test_safetensors_problem_detects_truncation_and_trailing_bytes(tmp_path: Path) -> None:
+def testsafetensors_problem_detects_truncation_and_trailing_bytes(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.zeros(10), "b": torch.ones(3, 2)}, str(path))
-    assert cache._safetensors_problem(path) is None
+    assert cache.safetensors_problem(path) is None
     data = path.read_bytes()
     path.write_bytes(data[:-1])
-    assert "bytes" in cache._safetensors_problem(path)
+    assert "bytes" in cache.safetensors_problem(path)
     path.write_bytes(data[:12])  # cut inside the JSON header
-    assert "truncated" in cache._safetensors_problem(path)
+    assert "truncated" in cache.safetensors_problem(path)
     path.write_bytes(data + b"\0")
-    assert cache._safetensors_problem(path) is not None
+    assert cache.safetensors_problem(path) is not None
     path.write_bytes(b"\1\0\0")
-    assert "truncated" in cache._safetensors_problem(path)
+    assert "truncated" in cache.safetensors_problem(path)
 
 
 # --------------------------------------------------------------------------- GGUF in a wheel

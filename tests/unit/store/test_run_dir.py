@@ -88,7 +88,8 @@ def test_config_round_trip_keeps_key_order_and_unicode(tmp_path: Path) -> None:
     data = {"name": "é-run", "trainer": {"iterations": 3, "lr": 1e-06}, "alpha": [1, 2]}
     run.write_config(data)
     # yaml.safe_dump(sort_keys=False, allow_unicode=True): declaration order, unicode kept as is
-    assert run.config_path.read_text() == "name: é-run\ntrainer:\n  iterations: 3\n  lr: 1.0e-06\nalpha:\n- 1\n- 2\n"
+    assert run.config_path.read_text() == ("name: é-run\ntrainer:\n  iterations: 3\n  lr: 1.0e-06\nalpha:\n- 1\n- 2\n"
+                                          "# ragen: end of config\n")
     assert run.read_config() == data
     run.config_path.write_text("")
     assert run.read_config() == {}
@@ -161,3 +162,100 @@ def test_find_says_where_it_looked(data: Path, tmp_path: Path) -> None:
         RunDir.find("no-config")
     with pytest.raises(FileNotFoundError, match="no run"):
         RunDir.find(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------- what a kill leaves behind (issue 20)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(proc.stdout)
+
+
+def test_a_torn_last_history_line_is_dropped_then_set_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = RunDir(tmp_path)
+    run.append_history({"iteration": 0, "x": 1.0})
+    with open(run.history_path, "a") as fh:
+        fh.write('{"iteration": 1, "x": 2.')  # killed mid-write
+    assert run.read_history() == [{"iteration": 0, "x": 1.0}]
+    assert "torn last line" in caplog.text
+    run.append_history({"iteration": 1, "x": 3.0})  # the resumed run goes on
+    assert run.read_history() == [{"iteration": 0, "x": 1.0}, {"iteration": 1, "x": 3.0}]
+    assert (tmp_path / "history.jsonl.torn").read_text() == '{"iteration": 1, "x": 2.\n'  # nothing deleted
+
+
+def test_a_corrupt_middle_history_line_is_skipped_and_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = RunDir(tmp_path)
+    run.history_path.write_text('{"iteration": 0}\n\x00\x00garbage\n[1, 2]\n{"iteration": 1}\n')
+    assert run.read_history() == [{"iteration": 0}, {"iteration": 1}]
+    assert "2 corrupt line(s)" in caplog.text
+    assert (tmp_path / "history.jsonl.corrupt").read_bytes() == b"\x00\x00garbage\n[1, 2]\n"
+    assert run.history_path.read_text().count("\n") == 4  # the file itself is left as it was
+
+
+def test_config_is_written_whole_and_a_cut_one_is_refused(tmp_path: Path) -> None:
+    from ragen_core.config import ConfigError, load_experiment, to_dict
+    from ragen_core.session import resume_config
+
+    run = RunDir(tmp_path / "r").create()
+    cfg = load_experiment(Path(__file__).parents[3] / "experiments" / "smoke.yaml")
+    run.write_config(to_dict(cfg))
+    assert run.config_problem() is None and not list(run.path.glob(".config*"))
+    assert load_experiment(run.config_path) == cfg
+    text = run.config_path.read_text()
+    run.config_path.write_text(text[: len(text) // 2].rsplit("\n", 1)[0] + "\n")  # cut at a line end: parses
+    assert "cut short" in (run.config_problem() or "")
+    with pytest.raises(ConfigError, match="cut short"):
+        resume_config(str(run.path), [])
+
+
+def test_a_config_from_before_the_end_marker_is_checked_against_the_checkpoint(tmp_path: Path) -> None:
+    import json
+
+    import yaml
+
+    run = RunDir(tmp_path).create()
+    saved = {"name": "old", "trainer": {"iterations": 3, "actor_lr": 1e-5}}
+    run.config_path.write_text(yaml.safe_dump(saved))
+    ckpt = run.checkpoint_path(2)
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"config": saved}))
+    assert run.config_problem() is None  # legacy and whole
+    run.config_path.write_text(yaml.safe_dump({"name": "old", "trainer": {"iterations": 3}}))
+    assert "cut short" in (run.config_problem() or "")
+
+
+def _whole_checkpoint(path: Path, iteration: int) -> None:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    save_file({"w": torch.full((64,), float(iteration))}, path / "actor.safetensors")
+    torch.save({"step": iteration}, path / "optimizer.pt")
+    (path / "state.json").write_text(json.dumps({"iteration": iteration}))
+
+
+def test_checkpoints_recover_from_a_kill_between_renames_and_fall_back_past_a_cut_one(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    dead = _dead_pid()
+    _whole_checkpoint(run.checkpoint_path(1), 1)
+    # a re-save of iteration 2 killed between its renames: only the set-aside old folder is left
+    _whole_checkpoint(run.checkpoints_dir / f".old-iter=000002-{dead}", 2)
+    _whole_checkpoint(run.checkpoints_dir / f".tmp-iter=000003-{dead}", 3)  # a save killed before its rename
+    assert run.latest_checkpoint() == run.checkpoint_path(2)
+    assert sorted(p.name for p in run.checkpoints_dir.iterdir()) == ["iter=000001", "iter=000002"]
+    # the newest checkpoint cut short (a full disk, a copy that stopped): the one before it is used
+    _whole_checkpoint(run.checkpoint_path(3), 3)
+    weights = run.checkpoint_path(3) / "actor.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    assert run.latest_checkpoint() == run.checkpoint_path(2)
+    optimizer = run.checkpoint_path(2) / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:-40])
+    assert run.latest_checkpoint() == run.checkpoint_path(1)
+    assert run.checkpoint_path(3).exists()  # left for a person to look at

@@ -26,6 +26,7 @@ from ragen_core.rollout.batch import build_token_batch
 from ragen_core.rollout.loop import run_rollouts
 from ragen_core.rollout.scripted import ScriptedGenerator
 from ragen_core.store import parquet as store
+from ragen_core.store.files import pid_alive
 from ragen_core.store.run_dir import RunDir
 from ragen_core.types import Trajectory, Turn
 
@@ -178,7 +179,7 @@ def test_write_killed_midway_leaves_no_shard(tmp_path: Path) -> None:
     assert duckdb.sql(f"select count(*) from glob('{tmp_path}/rollouts/*/*.parquet')").fetchall() == [(0,)]
     # the next write of that iteration cleans the dead writer's temp file up
     deadline = time.time() + 5
-    while time.time() < deadline and store._alive(proc.pid):
+    while time.time() < deadline and pid_alive(proc.pid):
         time.sleep(0.05)
     store.write_shard(tmp_path, 5, [_hand()])
     assert [p.name for p in folder.iterdir()] == ["part-0.parquet"]
