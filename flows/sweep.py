@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 import time
 from typing import Any
@@ -59,6 +58,7 @@ from ragen_core.sweeps.aggregate import study_metrics
 from ragen_core.tracking import MetricLogger, MLflowLogger, NullLogger, flatten_config
 from ragen_core.tracking.factory import tracking_uri
 from ragen_core.tracking.history import fetch_runs
+from ragen_core.tracking.outbox import OutboxMismatch
 from ragen_core.tracking.run_history import RunHistory
 from tasks import sweep_steps as steps
 
@@ -227,8 +227,10 @@ def open_parent_run(plan: SweepPlan, study: optuna.Study, url: str, flow_run_id:
     try:
         logger = MLflowLogger(tracking_uri(base), base.tracking.experiment, run_name=plan.sweep.name,
                               run_id=known, tags=tags, outbox_dir=outbox)
-    except ValueError:  # the outbox belongs to an older study of the same name: the study's record wins
-        shutil.rmtree(outbox, ignore_errors=True)
+    except OutboxMismatch:  # the outbox belongs to an older study of the same name: the study's record wins;
+        # the old outbox is set aside, never deleted (its undelivered entries are still there to read)
+        aside = outbox.with_name(f"{outbox.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
+        outbox.rename(aside)
         logger = MLflowLogger(tracking_uri(base), base.tracking.experiment, run_name=plan.sweep.name,
                               run_id=known, tags=tags, outbox_dir=outbox)
     if logger.run_id and known != logger.run_id:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ragen_core.config import data_dir
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.logger import check_metric_names, check_status
-from ragen_core.tracking.outbox import Outbox
+from ragen_core.tracking.outbox import Outbox, OutboxMismatch
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -105,7 +105,7 @@ class MLflowLogger:
         self._outbox = Outbox(Path(outbox_dir))
         known = self._outbox.run_id
         if run_id and known and run_id != known:
-            raise ValueError(
+            raise OutboxMismatch(
                 f"outbox {self._outbox.path} belongs to MLflow run {known}, not {run_id}; "
                 "use that run's directory or a fresh outbox_dir"
             )

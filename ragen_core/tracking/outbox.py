@@ -13,20 +13,42 @@ No MLflow in here; :mod:`ragen_core.tracking.mlflow_logger` does the sending.
     box.append({"kind": "metrics", "step": 1, "ts": 0, "values": {"env/success": 0.5}})
     box.pending()          # [{"kind": "metrics", ...}]
     box.mark_delivered(1)  # persisted
+
+Damage never stops a run and never deletes an entry (a kill mid-write, a disk that filled, a hand edit):
+
+- a torn last line is dropped (its call never returned);
+- a corrupt line elsewhere is skipped, with a warning, and copied to ``tracking-outbox.corrupt.jsonl``;
+- an empty or corrupt state file is moved aside and the copy written just before it
+  (``tracking-outbox.state.json.bak``) is used; without one, delivery starts again from the first entry.
+  Re-sending is harmless: MLflow's store keeps one point per (key, step, timestamp, value), and the
+  entries carry their timestamps;
+- an outbox file shorter than the delivered offset (emptied or replaced) is read from its start, so an
+  entry appended after the damage is delivered, not skipped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OUTBOX_FILE", "REJECTED_FILE", "STATE_FILE", "Outbox"]
+from ragen_core.store.files import atomic_write_text
+
+__all__ = ["CORRUPT_FILE", "OUTBOX_FILE", "REJECTED_FILE", "STATE_FILE", "Outbox", "OutboxMismatch"]
 
 OUTBOX_FILE = "tracking-outbox.jsonl"
 STATE_FILE = "tracking-outbox.state.json"
 REJECTED_FILE = "tracking-rejected.jsonl"
+CORRUPT_FILE = "tracking-outbox.corrupt.jsonl"
+
+log = logging.getLogger("ragen")
+
+
+class OutboxMismatch(ValueError):
+    """The outbox in a folder belongs to another MLflow run than the one asked for."""
 
 
 class Outbox:
@@ -38,8 +60,13 @@ class Outbox:
         self.path = self.directory / OUTBOX_FILE
         self.state_path = self.directory / STATE_FILE
         self.rejected_path = self.directory / REJECTED_FILE
-        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        state = self._read_state()
         self._delivered: int = int(state.get("delivered_offset", 0))
+        size = self.path.stat().st_size if self.path.exists() else 0
+        if self._delivered > size:
+            log.warning("%s has %d bytes but %d were delivered: it was emptied or replaced; reading it from the "
+                        "start", self.path, size, self._delivered)
+            self._delivered = 0
         self._run_id: str | None = state.get("run_id")
         self._intent: dict[str, Any] | None = state.get("intent")
         self._pending: list[tuple[int, dict[str, Any]]] = self._read_pending()
@@ -56,11 +83,43 @@ class Outbox:
             with open(self.path, "r+b") as f:
                 f.truncate(complete)
         out: list[tuple[int, dict[str, Any]]] = []
+        corrupt: list[bytes] = []
         offset = self._delivered
         for line in data[self._delivered:complete].splitlines(keepends=True):
             offset += len(line)
-            out.append((offset, json.loads(line)))
+            try:
+                entry = json.loads(line)
+                if not isinstance(entry, dict) or "kind" not in entry:
+                    raise ValueError("not an outbox entry")
+            except ValueError:
+                corrupt.append(line if line.endswith(b"\n") else line + b"\n")
+                continue
+            out.append((offset, entry))
+        if corrupt:
+            log.warning("%s: skipped %d corrupt line(s), copied to %s", self.path, len(corrupt), CORRUPT_FILE)
+            with open(self.directory / CORRUPT_FILE, "ab") as f:
+                f.writelines(corrupt)
         return out
+
+    def _read_state(self) -> dict[str, Any]:
+        """The state file, else its backup (module docstring); a damaged one is moved aside, never deleted."""
+        for path in (self.state_path, self._backup_path):
+            if not path.exists():
+                continue
+            try:
+                state = json.loads(path.read_text())
+                if not isinstance(state, dict):
+                    raise ValueError("not an object")
+                return state
+            except (OSError, ValueError, UnicodeDecodeError) as e:
+                aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+                os.replace(path, aside)
+                log.warning("%s is damaged (%s): moved to %s", path, e, aside.name)
+        return {}
+
+    @property
+    def _backup_path(self) -> Path:
+        return self.state_path.with_name(STATE_FILE + ".bak")
 
     @property
     def run_id(self) -> str | None:
@@ -111,7 +170,7 @@ class Outbox:
         self.mark_delivered(n)
 
     def _save_state(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        state = {"delivered_offset": self._delivered, "run_id": self._run_id, "intent": self._intent}
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.state_path)
+        """Backup first, then the state itself, each atomically and fsynced: one of them is always whole."""
+        text = json.dumps({"delivered_offset": self._delivered, "run_id": self._run_id, "intent": self._intent})
+        atomic_write_text(self._backup_path, text)
+        atomic_write_text(self.state_path, text)

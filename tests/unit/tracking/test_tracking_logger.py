@@ -170,3 +170,44 @@ def test_outbox_persists_offsets_and_drops_a_torn_last_line(tmp_path: Path) -> N
     third.reject(1, "refused")
     assert [e["step"] for e in Outbox(tmp_path).pending()] == [3]
     assert json.loads(third.rejected_path.read_text()) == {"error": "refused", "entry": {"kind": "metrics", "step": 2}}
+
+
+def test_outbox_survives_corrupt_lines_and_state_and_loses_nothing(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 20: damage in the outbox never stops a run and never drops an entry."""
+    from ragen_core.tracking.outbox import CORRUPT_FILE, STATE_FILE
+
+    box = Outbox(tmp_path)
+    for i in range(3):
+        box.append({"kind": "metrics", "step": i})
+    box.set_run_id("r1")
+    box.mark_delivered(1)
+    # a corrupt line in the middle of the undelivered part
+    with open(box.path, "ab") as f:
+        f.write(b"\x00\xffnot json\n")
+    box2 = Outbox(tmp_path)
+    box2.append({"kind": "metrics", "step": 3})
+    assert [e["step"] for e in Outbox(tmp_path).pending()] == [1, 2, 3]
+    assert (tmp_path / CORRUPT_FILE).read_bytes().startswith(b"\x00\xffnot json")
+    # an emptied state file: the backup written just before it has the run and the offset
+    (tmp_path / STATE_FILE).write_text("")
+    box3 = Outbox(tmp_path)
+    assert box3.run_id == "r1" and [e["step"] for e in box3.pending()] == [1, 2, 3]
+    assert list(tmp_path.glob(STATE_FILE + ".corrupt-*"))  # moved aside, not deleted
+    # both state files damaged: start delivery over (re-sending is idempotent in MLflow's store)
+    (tmp_path / STATE_FILE).write_text("{")
+    (tmp_path / (STATE_FILE + ".bak")).write_text("[")
+    box4 = Outbox(tmp_path)
+    assert box4.run_id is None and [e["step"] for e in box4.pending()] == [0, 1, 2, 3]
+    assert "damaged" in caplog.text
+
+
+def test_an_emptied_outbox_file_does_not_swallow_the_next_entry(tmp_path: Path) -> None:
+    box = Outbox(tmp_path)
+    for i in range(5):
+        box.append({"kind": "metrics", "step": i})
+    box.mark_delivered(5)
+    box.path.write_bytes(b"")  # emptied (by hand, or a copy that replaced it)
+    with open(box.path, "ab") as f:
+        f.write(b'{"kind":"metrics","step":5}\n')  # then a new entry
+    assert [e["step"] for e in Outbox(tmp_path).pending()] == [5]
