@@ -198,7 +198,7 @@ def open_session(
         collapse_ema = {str(k): float(v) for k, v in saved.get("collapse_ema", {}).items()}
     else:
         collapse_ema = {}
-    history = [r for r in folder.read_history() if r.get("iteration", 0) < state.iteration]
+    history = folder.supersede_history(state.iteration)  # the iterations after the checkpoint are redone
     tokenizer = load_tokenizer(model_spec)
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
     with state.full_weights():  # a vLLM generator starts from a saved copy of the actor

@@ -273,6 +273,23 @@ class RunDir:
                 fh.write(b"\n".join(bad) + b"\n")
         return rows
 
+    def supersede_history(self, iteration: int) -> list[dict[str, Any]]:
+        """Rows of iteration ``iteration`` and later leave history.jsonl for ``history.jsonl.superseded`` (nothing
+        is deleted); returns the rows kept. A run resumed from the checkpoint after ``iteration`` updates redoes
+        those iterations, and each would otherwise have two rows."""
+        rows = self.read_history()
+        keep = [r for r in rows if int(r.get("iteration", 0)) < iteration]
+        gone = [r for r in rows if int(r.get("iteration", 0)) >= iteration]
+        if not gone:
+            return keep
+        with open(self.history_path.with_name(HISTORY_FILE + ".superseded"), "a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in gone)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._set_torn_tail_aside()  # the rewrite below must not lose a torn tail either
+        atomic_write_text(self.history_path, "".join(json.dumps(r) + "\n" for r in keep))
+        return keep
+
     def _set_torn_tail_aside(self) -> None:
         try:
             with open(self.history_path, "rb") as fh:

@@ -36,6 +36,7 @@ def open_logger(
     tags["seed"] = str(cfg.trainer.seed)
     tags.update(extra_tags or {})
     logger = MLflowLogger(tracking_uri(cfg), cfg.tracking.experiment, run_name=run_dir.name,
-                          parent_run_id=parent_run_id, tags=tags, outbox_dir=run_dir)
+                          parent_run_id=parent_run_id, tags=tags, outbox_dir=run_dir,
+                          once_per_step=True)  # a resumed run redoes the iterations after its checkpoint
     log_config(logger, cfg)
     return logger

@@ -86,6 +86,7 @@ class MLflowLogger:
         retry_interval_s: float = 30.0,
         *,
         drain_only: bool = False,
+        once_per_step: bool = False,
     ) -> None:
         """Create the run, or resume ``run_id`` (or the run recorded in ``outbox_dir``).
 
@@ -93,6 +94,9 @@ class MLflowLogger:
         ``outbox_dir`` defaults to ``$RAGEN_DATA_DIR/runs/<run_name or run_id>``.
         ``drain_only`` opens an existing outbox just to deliver it (see :func:`deliver_pending`):
         the run is not set back to RUNNING and logging calls raise.
+        ``once_per_step``: a metric already logged at a step (in this outbox, delivered or not) is not logged
+        there again. A training run resumed from its last checkpoint redoes the iterations after it, and
+        their metrics would otherwise land twice (MLflow keeps both points: their timestamps differ).
         """
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
@@ -109,6 +113,8 @@ class MLflowLogger:
                 f"outbox {self._outbox.path} belongs to MLflow run {known}, not {run_id}; "
                 "use that run's directory or a fresh outbox_dir"
             )
+        self._once_per_step = once_per_step
+        self._logged: set[tuple[str, int]] = self._outbox.metric_points() if once_per_step else set()
         self._run_id: str | None = run_id or known
         if self._run_id is not None and known is None:
             self._outbox.set_run_id(self._run_id)
@@ -166,7 +172,9 @@ class MLflowLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         check_metric_names(metrics)
-        items = [(k, float(v)) for k, v in metrics.items()]
+        items = [(k, float(v)) for k, v in metrics.items() if (k, int(step)) not in self._logged]
+        if self._once_per_step:
+            self._logged.update((k, int(step)) for k, _ in items)
         ts = _now_ms()  # taken now, so late delivery keeps the true wall-clock time
         for i in range(0, len(items), MAX_METRICS_PER_BATCH):
             chunk = dict(items[i : i + MAX_METRICS_PER_BATCH])

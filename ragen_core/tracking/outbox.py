@@ -121,6 +121,20 @@ class Outbox:
     def _backup_path(self) -> Path:
         return self.state_path.with_name(STATE_FILE + ".bak")
 
+    def metric_points(self) -> set[tuple[str, int]]:
+        """(metric key, step) of every metrics entry the outbox holds, delivered or not."""
+        if not self.path.exists():
+            return set()
+        points: set[tuple[str, int]] = set()
+        for line in self.path.read_bytes().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # torn or corrupt: _read_pending reports those
+            if isinstance(entry, dict) and entry.get("kind") == "metrics":
+                points.update((str(k), int(entry["step"])) for k in entry.get("values", {}))
+        return points
+
     @property
     def run_id(self) -> str | None:
         return self._run_id

@@ -259,3 +259,17 @@ def test_checkpoints_recover_from_a_kill_between_renames_and_fall_back_past_a_cu
     optimizer.write_bytes(optimizer.read_bytes()[:-40])
     assert run.latest_checkpoint() == run.checkpoint_path(1)
     assert run.checkpoint_path(3).exists()  # left for a person to look at
+
+
+def test_resume_supersedes_the_history_rows_it_redoes(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    for it in range(4):
+        run.append_history({"iteration": it})
+    with open(run.history_path, "a") as fh:
+        fh.write('{"iteration": 4')  # killed mid-write
+    assert run.supersede_history(2) == [{"iteration": 0}, {"iteration": 1}]
+    assert run.read_history() == [{"iteration": 0}, {"iteration": 1}]
+    superseded = (tmp_path / "history.jsonl.superseded").read_text().splitlines()
+    assert [json.loads(x) for x in superseded] == [{"iteration": 2}, {"iteration": 3}]
+    assert (tmp_path / "history.jsonl.torn").read_text() == '{"iteration": 4\n'
+    assert run.supersede_history(2) == [{"iteration": 0}, {"iteration": 1}]  # nothing more to move

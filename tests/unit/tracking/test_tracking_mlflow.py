@@ -307,3 +307,26 @@ def test_default_outbox_dir_is_under_the_run_directory(monkeypatch: pytest.Monke
     log.close()
     with pytest.raises(ValueError, match="outbox_dir"):
         MLflowLogger(uri, "dirs")
+
+
+def test_a_resumed_run_logs_each_metric_point_once(uri: str, tmp_path: Path) -> None:
+    """Issue 20: after a kill, the iterations since the last checkpoint are redone; their metrics must not land
+    twice. once_per_step keeps the first point of each (key, step) the outbox has seen."""
+    first = MLflowLogger(uri, "resume-once", run_name="r", outbox_dir=tmp_path, once_per_step=True)
+    first.log_metrics({"env/success": 0.25}, step=0)
+    first.log_metrics({"env/success": 0.5, "timing/rollout_s": 3.0}, step=1)
+    first.flush()  # ... then SIGKILL: no close
+    again = MLflowLogger(uri, "resume-once", run_name="r", outbox_dir=tmp_path, once_per_step=True)
+    again.log_metrics({"env/success": 0.5, "timing/rollout_s": 3.5}, step=1)  # iteration 1 redone
+    again.log_metrics({"env/success": 0.75}, step=2)
+    again.close()
+    client = MlflowClient(uri)
+    points = [(m.step, m.value) for m in client.get_metric_history(again.run_id, "env/success")]
+    assert sorted(points) == [(0, 0.25), (1, 0.5), (2, 0.75)]
+    assert [(m.step, m.value) for m in client.get_metric_history(again.run_id, "timing/rollout_s")] == [(1, 3.0)]
+    # without it (the default: sweeps re-log summaries at a step on purpose) both points are kept
+    plain = MLflowLogger(uri, "resume-once", run_name="p", outbox_dir=tmp_path / "p")
+    plain.log_metrics({"val/x": 1.0}, step=0)
+    plain.log_metrics({"val/x": 2.0}, step=0)
+    plain.close()
+    assert len(client.get_metric_history(plain.run_id, "val/x")) == 2
