@@ -216,6 +216,22 @@ def play(
     play_env(env, seed=seed)
 
 
+config_app = typer.Typer(help="Read configurations.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(
+    experiment: Annotated[Path, typer.Argument(help="experiment YAML")],
+    set_: SetOpt = None,
+) -> None:
+    """Print the resolved configuration (extends, preset and --set applied) with each field's doc."""
+    from ragen_core.config import documented_yaml
+
+    cfg = _load(experiment, set_)
+    typer.echo(documented_yaml(cfg), nl=False)
+
+
 @app.command()
 def show(
     run: Annotated[str, typer.Argument(help="run name or run directory")],

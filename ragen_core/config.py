@@ -682,3 +682,32 @@ def field_docs(cls: type, prefix: str = "") -> dict[str, str]:
         else:
             out[key] = f.metadata.get("doc", "")
     return out
+
+
+def documented_yaml(cfg: ExperimentConfig) -> str:
+    """The resolved config as YAML, every field followed by its one-line doc as a comment (`ragen config show`).
+
+    Sections are nested as in an experiment file; list and mapping values are written inline (flow style), so
+    each field stays one line and its doc sits beside it. The output loads back with ``load_experiment``.
+    """
+    docs = field_docs(ExperimentConfig)
+
+    def scalar(value: Any) -> str:
+        text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10_000).strip()
+        return text.removesuffix("\n...").removesuffix("...").strip()
+
+    lines: list[str] = []
+
+    def walk(data: dict[str, Any], prefix: str, indent: int) -> None:
+        for key, value in data.items():
+            path = f"{prefix}{key}"
+            pad = "  " * indent
+            if isinstance(value, dict) and path not in docs:  # a section
+                lines.append(f"{pad}{key}:")
+                walk(value, path + ".", indent + 1)
+                continue
+            doc = docs.get(path, "")
+            lines.append(f"{pad}{key}: {scalar(value)}" + (f"  # {doc}" if doc else ""))
+
+    walk(to_dict(cfg), "", 0)
+    return "\n".join(lines) + "\n"

@@ -54,3 +54,16 @@ def test_missing_experiment_file_exits_2(tmp_path, monkeypatch) -> None:
     res = runner.invoke(app, ["train", str(tmp_path / "missing.yaml")])
     assert res.exit_code == 2 and "file not found" in res.output
     assert not Path(tmp_path / "data").exists()
+
+
+def test_config_show_prints_the_resolved_config_with_docs_and_loads_back(tmp_path) -> None:
+    from ragen_core.config import load_experiment
+
+    res = runner.invoke(app, ["config", "show", "experiments/smoke.yaml", "--set", "trainer.iterations=5"])
+    assert res.exit_code == 0, res.output
+    assert "  iterations: 5  # " in res.output and "preset: starpo-s  # algorithm preset" in res.output
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(res.output)
+    assert load_experiment(saved) == load_experiment("experiments/smoke.yaml", ["trainer.iterations=5"])
+    bad = runner.invoke(app, ["config", "show", "experiments/smoke.yaml", "--set", "trainer.iterationz=5"])
+    assert bad.exit_code == 2 and "iterationz" in bad.output
