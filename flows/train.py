@@ -15,7 +15,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows._ui import Reporter
+from flows._ui import Reporter, RunArtifacts
 from ragen_core import session
 from ragen_core.config import load_experiment
 from ragen_core.store.run_dir import RunDir
@@ -45,10 +45,20 @@ def train(
         cfg = load_experiment(experiment, overrides)
         folder = RunDir.named(run_name or session.new_run_name(cfg))
     folder.create()
-    logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id, extra_tags=tags)
+    ui_url = flow_run.ui_url  # the flow run's page in the Prefect UI, as a tag of the MLflow run
+    logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id,
+                         extra_tags={**(tags or {}), **({"prefect.flow_run_url": ui_url} if ui_url else {})})
     pruner = _trial_reporter(trial) if trial else None
+    artifacts = RunArtifacts(folder.name, cfg.trainer.iterations)
     with Reporter(cfg.trainer.iterations) as ui:
-        sess = session.open_session(cfg, logger, folder, say=ui.say, progress=ui.progress)
+
+        def say(line: str) -> None:  # the terminal, and the flow run's Logs tab
+            ui.say(line)
+            artifacts.say(line)
+
+        sess = session.open_session(cfg, logger, folder, say=say, progress=ui.progress)
+        run_url = getattr(logger, "run_url", None)
+        artifacts.link(run_url() if callable(run_url) else None, tracking_uri(cfg), logger.run_id)
         while not sess.done:
             val = steps.evaluate(sess) if session.eval_due(sess) else None  # the policy after `iteration` updates
             if pruner and val:
@@ -60,12 +70,16 @@ def train(
             diagnostics = steps.diagnose(sess, rollouts) if session.collapse_due(sess) else None
             selection = steps.filter_groups(sess, rollouts)
             stats = steps.update(sess, selection)
-            steps.record(sess, rollouts, selection, stats, val, diagnostics)
+            metrics = steps.record(sess, rollouts, selection, stats, val, diagnostics)
+            artifacts.iteration(sess.iteration, cfg.env.label, metrics)
             if session.checkpoint_due(sess):
                 steps.checkpoint(sess)
         if session.final_eval_due(sess):
             val = steps.evaluate(sess)
             session.record_final_eval(sess, val)
+            artifacts.markdown("evaluation", "| metric | value |\n|---|---|\n" + "".join(
+                f"| {k} | {v:.4f} |\n" for k, v in sorted(val.items()) if k.startswith("val/")),
+                f"held-out evaluation after {sess.iteration} iterations")
             if pruner:
                 pruner(sess, val)
     return session.finish(sess, tracking_uri(cfg))

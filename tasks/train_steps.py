@@ -1,7 +1,8 @@
 """The steps of one training iteration as Prefect tasks (flows/train.py chains them).
 
-Each task calls exactly one ``ragen_core.session`` function. ``NO_CACHE``: the inputs are
-live models, so caching by inputs is neither possible nor wanted. No retries: the steps
+Each task calls exactly one ``ragen_core.session`` function. Task runs are named after the step and the
+iteration (``rollout-it0042``: the iteration the policy has reached), so the Prefect UI reads as a log.
+``NO_CACHE``: the inputs are live models, so caching by inputs is neither possible nor wanted. No retries: the steps
 are not idempotent (they advance weights and seed counters).
 """
 
@@ -16,37 +17,37 @@ from ragen_core import session
 from ragen_core.types import UpdateStats
 
 
-@task(name="rollout", cache_policy=NO_CACHE)
+@task(name="rollout", task_run_name="rollout-it{sess.iteration:04d}", cache_policy=NO_CACHE)
 def rollout(sess: session.Session) -> session.RolloutBatch:
     return session.collect_rollouts(sess)
 
 
-@task(name="diagnose", cache_policy=NO_CACHE)
+@task(name="diagnose", task_run_name="diagnose-it{sess.iteration:04d}", cache_policy=NO_CACHE)
 def diagnose(sess: session.Session, rollouts: session.RolloutBatch) -> dict[str, float]:
     return session.diagnose(sess, rollouts)
 
 
-@task(name="filter", cache_policy=NO_CACHE)
+@task(name="filter", task_run_name="filter-it{sess.iteration:04d}", cache_policy=NO_CACHE)
 def filter_groups(sess: session.Session, rollouts: session.RolloutBatch) -> session.Selection:
     return session.tokenize_and_filter(sess, rollouts)
 
 
-@task(name="update", cache_policy=NO_CACHE)
+@task(name="update", task_run_name="update-it{sess.iteration:04d}", cache_policy=NO_CACHE)
 def update(sess: session.Session, selection: session.Selection) -> UpdateStats:
     return session.update_policy(sess, selection)
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
+@task(name="evaluate", task_run_name="evaluate-it{sess.iteration:04d}", cache_policy=NO_CACHE)
 def evaluate(sess: session.Session) -> dict[str, float]:
     return session.evaluate_policy(sess)
 
 
-@task(name="record", cache_policy=NO_CACHE)
+@task(name="record", task_run_name="record-it{sess.iteration:04d}", cache_policy=NO_CACHE)
 def record(sess: session.Session, rollouts: session.RolloutBatch, selection: session.Selection, stats: UpdateStats,
            val: dict[str, float] | None, diagnostics: dict[str, float] | None = None) -> dict[str, float]:
     return session.record_iteration(sess, rollouts, selection, stats, val, diagnostics)
 
 
-@task(name="checkpoint", cache_policy=NO_CACHE)
+@task(name="checkpoint", task_run_name="checkpoint-it{sess.iteration:04d}", cache_policy=NO_CACHE)
 def checkpoint(sess: session.Session) -> Path:
     return session.save_run_checkpoint(sess)

@@ -151,6 +151,20 @@ class MLflowLogger:
     def run_id(self) -> str | None:
         return self._run_id
 
+    def run_url(self) -> str | None:
+        """The run's page in the MLflow UI when the tracking URI is a server (None before the run exists, or
+        for a local store, which has no UI of its own)."""
+        if self._run_id is None or not self.tracking_uri.startswith(("http://", "https://")):
+            return None
+        with self._lock:
+            try:
+                self._ensure_run()
+                assert self._client is not None
+                experiment = self._client.get_run(self._run_id).info.experiment_id
+            except Exception:  # noqa: BLE001  # a link is a convenience: an unreachable server gives none
+                return None
+        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{experiment}/runs/{self._run_id}"
+
     @property
     def outbox_path(self) -> Path:
         return self._outbox.path

@@ -126,3 +126,39 @@ def test_zero3_run_resumes_and_matches_the_torch_backend(data_dir) -> None:
         for k in a:
             torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4,
                                        msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
+
+
+def test_the_prefect_ui_shows_progress_logs_artifacts_and_readable_task_names(smoke_run) -> None:
+    """Issue 19: per-iteration lines in the run's logs, a table and a progress artifact, a link to MLflow, an
+    evaluation table, task runs named rollout-it0000..., and the MLflow run tagged with the flow run's page."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+
+    data, result = smoke_run
+    run = MlflowClient(_uri(data)).get_run(result.mlflow_run_id)
+    flow_run_id = run.data.tags["prefect.flow_run_id"]
+    assert run.data.tags["prefect.flow_run_url"].endswith(flow_run_id)
+
+    async def read() -> tuple[list, list, list]:
+        async with get_client() as client:
+            keys = ["iterations-smoke-a", "progress-smoke-a", "mlflow-smoke-a", "evaluation-smoke-a"]
+            artifacts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            tasks = await client.read_task_runs()
+            return artifacts, logs, [t.name for t in tasks if t.flow_run_id is not None
+                                     and str(t.flow_run_id) == flow_run_id]
+
+    artifacts, logs, task_names = asyncio.run(read())
+    latest = {}
+    for a in sorted(artifacts, key=lambda a: a.created):
+        latest[a.key] = a
+    assert set(latest) == {"iterations-smoke-a", "progress-smoke-a", "mlflow-smoke-a", "evaluation-smoke-a"}
+    table = json.loads(latest["iterations-smoke-a"].data)
+    assert [row["iteration"] for row in table] == [0, 1] and "actor/grad_norm" in table[0]
+    assert float(latest["progress-smoke-a"].data) == 100.0
+    assert "val/success" in latest["evaluation-smoke-a"].data
+    assert any("iter 2/2" in log.message for log in logs)
+    assert {"rollout-it0000", "update-it0000", "rollout-it0001", "checkpoint-it0002"} <= set(task_names)
