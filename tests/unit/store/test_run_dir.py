@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ragen_core.config import ConfigError
 from ragen_core.store import parquet
 from ragen_core.store.run_dir import RunDir, check_run_name
 
@@ -40,7 +41,8 @@ def test_named_follows_ragen_data_dir_and_creates_nothing(data: Path) -> None:
     assert run.shard_path(7) == parquet.shard_path(run.path, 7)  # the Parquet store uses the same layout
 
 
-@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", "/abs"])
+@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", "/abs", ".hidden", "-rf", "a b", "a\nb", "a\x00b",
+                                 "caf\u00e9", "~", "x" * 201])
 def test_bad_names_are_refused_with_a_clear_error(data: Path, bad: str) -> None:
     with pytest.raises(ValueError, match=r"bad run name .*plain directory name"):
         RunDir.named(bad)
@@ -51,6 +53,15 @@ def test_bad_names_are_refused_with_a_clear_error(data: Path, bad: str) -> None:
 
 def test_check_run_name_returns_a_good_name() -> None:
     assert check_run_name("bandit-starpo-s-20260101-120000") == "bandit-starpo-s-20260101-120000"
+    assert check_run_name("x" * 200) == "x" * 200 and check_run_name("v1.2_run") == "v1.2_run"
+
+
+def test_a_bad_run_name_is_a_config_error_naming_the_key() -> None:
+    """One rule, one error type for every entry point (the CLI turns a ConfigError into exit 2)."""
+    with pytest.raises(ConfigError, match=r"^--run-name: bad run name '\.\./x'"):
+        check_run_name("../x", "--run-name")
+    with pytest.raises(ConfigError, match="at most 160"):
+        check_run_name("x" * 161, "name", max_chars=160)
 
 
 def test_new_creates_the_folder_and_reuses_an_existing_one(data: Path) -> None:
@@ -153,6 +164,29 @@ def test_find_by_name_and_by_path(data: Path, tmp_path: Path, monkeypatch: pytes
     assert RunDir.find(elsewhere.path) == elsewhere
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert RunDir.find("exp-3") == RunDir(Path("exp-3"))  # a relative path wins over a name
+
+
+def test_resumable_is_a_run_under_the_runs_root(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = RunDir.new("exp-4")
+    run.write_config({"name": "exp"})
+    assert RunDir.resumable("exp-4") == run
+    assert RunDir.resumable(str(run.path)) == run and RunDir.resumable(run.path) == run
+    monkeypatch.chdir(data)
+    assert RunDir.resumable("runs/exp-4/") == run  # a relative path that lands in the runs root
+
+
+@pytest.mark.parametrize(("run", "message"), [
+    ("../../etc", "is not a run folder under"), ("/tmp", "is not a run folder under"),
+    ("runs/exp-5/checkpoints", "is not a run folder under"), ("missing", "no run 'missing'"),
+    ("..", "bad run name"), ("a\x00/b", "is no path"), ("exp-5-no-config", "no run"),
+])
+def test_resumable_refuses_anything_else(data: Path, monkeypatch: pytest.MonkeyPatch, run: str, message: str) -> None:
+    RunDir.new("exp-5").write_config({"name": "exp"})
+    RunDir.new("exp-5-no-config")
+    (data / "runs" / "exp-5" / "checkpoints").mkdir()
+    monkeypatch.chdir(data)
+    with pytest.raises(ConfigError, match=message):
+        RunDir.resumable(run, "--resume")
 
 
 def test_find_says_where_it_looked(data: Path, tmp_path: Path) -> None:
