@@ -23,8 +23,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from ragen_core.config import ConfigError, load_experiment
+from ragen_core.config import ConfigError, check_run_name, load_experiment
 
 app = typer.Typer(
     help="Multi-turn RL (StarPO / StarPO-S) for LLM agents on text games.",
@@ -40,13 +41,31 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override 
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    """One line on stderr and exit ``code``: the message is escaped (a key or value may hold Rich markup such as
+    '[/x]') and its line breaks folded (YAML and pydantic errors span lines)."""
+    text = " ".join(msg.split())
+    text = text if len(text) <= 1000 else f"{text[:997]}..."
+    console.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
 def _load(path: Path, overrides: list[str] | None):
     try:
         return load_experiment(path, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _check_run(resume: str | None, run_name: str | None, overrides: list[str] | None) -> None:
+    """Exit 2 on a bad --run-name, or a --resume that is no run under the runs root or whose saved config no
+    longer loads (with the overrides): the same checks as the flow, before Prefect starts."""
+    from ragen_core.store.run_dir import RunDir
+
+    try:
+        if run_name is not None:
+            check_run_name(run_name, "--run-name")
+        if resume is not None:
+            load_experiment(RunDir.resumable(resume, "--resume").config_path, overrides or [])
     except ConfigError as e:
         _fail(str(e))
 
@@ -59,7 +78,8 @@ def train(
     run_name: Annotated[str | None, typer.Option(help="name of the new run (default: <name>-<time>)")] = None,
 ) -> None:
     """Train: rollout -> filter -> update -> evaluate, every iteration tracked in MLflow."""
-    _load(experiment, set_)  # validate first: a bad config writes nothing
+    _load(experiment, set_)  # validate first: a bad config, run name or run to resume writes nothing
+    _check_run(resume, run_name, set_)
     from flows.train import train as train_flow
 
     result = train_flow(experiment=str(experiment), overrides=list(set_ or []), resume=resume, run_name=run_name)

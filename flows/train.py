@@ -17,7 +17,7 @@ from prefect.runtime import flow_run
 
 from flows._ui import Reporter, RunArtifacts
 from ragen_core import session
-from ragen_core.config import load_experiment
+from ragen_core.config import check_run_name, load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import open_logger, tracking_uri
 from tasks import train_steps as steps
@@ -39,6 +39,8 @@ def train(
     trial to report validation success to (and be pruned by).
     """
     overrides = list(overrides or [])
+    if run_name is not None:
+        check_run_name(run_name, "run_name")  # a deployment parameter too: checked before anything is written
     if resume:
         cfg, folder = session.resume_config(resume, overrides)
     else:

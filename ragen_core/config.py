@@ -3,18 +3,25 @@
     cfg = load_experiment("experiments/bandit-starpo-s.yaml", overrides=["trainer.iterations=3"])
 
 Resolution order (later wins): dataclass defaults ← ``preset`` ← ``extends`` file ←
-the file itself ← ``--set`` overrides. Unknown keys, wrong types, bad enum values and
-out-of-range numbers raise :class:`ConfigError` naming the full key path and what is
-allowed. Defaults are the reference values of SPEC.md §4–§5. Derived values are
-properties, never fields filled in later.
+the file itself ← ``--set`` overrides. Unknown keys, wrong types, bad enum values,
+out-of-range or non-finite numbers, unknown envs and bad env parameters (each env is built
+once, its constructor checks them) raise :class:`ConfigError` naming the full key path and
+what is allowed; so do files that cannot be read as a bounded YAML document (over
+``MAX_CONFIG_BYTES``, nested deeper than ``MAX_NESTING``, aliases expanding past
+``MAX_EXPANDED``, not UTF-8, not a regular file). Loading raises nothing else, so a caller
+can refuse a bad config before it writes anything. Defaults are the reference values of
+SPEC.md §4–§5. Derived values are properties, never fields filled in later.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
+import reprlib
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -39,6 +46,7 @@ __all__ = [
     "TrainerConfig",
     "apply_overrides",
     "build_config",
+    "check_run_name",
     "data_dir",
     "load_experiment",
     "load_sweep",
@@ -54,6 +62,26 @@ def data_dir() -> Path:
     """Where runs, models and databases go: ``$RAGEN_DATA_DIR`` (default ``./data``), absolute."""
     raw = os.environ.get("RAGEN_DATA_DIR", "").strip()  # unset or empty (e.g. a blank job variable): ./data
     return Path(raw or "data").expanduser().resolve()
+
+
+MAX_RUN_NAME = 200
+"""Longest run name (a folder name: filesystems stop at 255 bytes)."""
+MAX_NAME_PREFIX = 160
+"""Longest experiment or sweep ``name``: runs are named ``<name>-<time>`` or ``<sweep>-tNNN-<time>``."""
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_run_name(name: object, key: str = "run name", max_chars: int = MAX_RUN_NAME) -> str:
+    """``name`` when it can name a folder under ``$RAGEN_DATA_DIR/runs``, else a ConfigError naming ``key``.
+
+    The one rule for every way a run gets its name (``--run-name``, the flow's ``run_name``, an experiment's or a
+    sweep's ``name``, ``--resume``): letters, digits, '.', '_' and '-', starting with a letter or digit, so no name
+    is a path ('/', '..'), hidden, an option ('-x') or a character a shell, URL or MLflow tag would mangle.
+    """
+    if not isinstance(name, str) or len(name) > max_chars or not _RUN_NAME.fullmatch(name):
+        raise ConfigError(f"{key}: bad run name {_show(name)}: use a plain directory name (letters, digits, '.', "
+                          f"'_' and '-', starting with a letter or digit; at most {max_chars} characters)")
+    return name
 
 
 def F(default: Any, doc: str, **bounds: float) -> Any:
@@ -246,6 +274,11 @@ class TrainerConfig:
     checkpoint_every: int = F(10, "save a checkpoint every N iterations (and at the end); 0 disables", ge=0)
     threads: int | None = F(None, "torch CPU threads; None keeps torch's default", ge=1)
 
+    def __post_init__(self) -> None:
+        for i, beta in enumerate(self.betas):  # AdamW refuses others, but only once the run has started
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"betas[{i}]: {beta!r} is out of range; AdamW needs 0 <= beta < 1")
+
 
 @dataclass(frozen=True)
 class TrackingConfig:
@@ -323,6 +356,9 @@ class ExperimentConfig:
     diagnostics: DiagnosticsConfig = F(DiagnosticsConfig(), "template-collapse diagnostics")
 
     def __post_init__(self) -> None:
+        check_run_name(self.name, "name", MAX_NAME_PREFIX)  # runs are named <name>-<time>
+        for key, env in (("env", self.env), *((f"eval.envs[{i}]", e) for i, e in enumerate(self.eval.envs))):
+            _check_env(env, key)
         r, a = self.rollout, self.algorithm
         if a.filters and a.filter_metric.endswith("_std") and r.responses_per_prompt < 2:
             raise ConfigError(
@@ -467,17 +503,36 @@ class SweepConfig:
     collapse_drop: float = F(0.15, "a study: a run collapsed when its validation success ended this far below "
                                    "its peak", gt=0.0, le=1.0)
 
+    def __post_init__(self) -> None:
+        check_run_name(self.name, "name", MAX_NAME_PREFIX)  # data/sweeps/<name>, trials' runs <name>-tNNN-<time>
+
 
 # --------------------------------------------------------------------------- loading
 
+MAX_CONFIG_BYTES = 1_000_000
+"""Largest experiment or sweep file (ours are ~1 kB): a bigger one is refused unread."""
+MAX_NESTING = 32
+"""Deepest nesting of mappings and lists in a file or ``--set`` value (ours: 4). PyYAML composes recursively, and
+to_dict, _deep_merge and flatten_config recurse too: 50,000 levels were a RecursionError."""
+MAX_EXPANDED = 1_000_000
+"""Most YAML nodes plus scalar characters a document may hold with its aliases expanded. An alias is a second
+reference to a node, so a 'billion laughs' file of 1 kB loads at once and only blows up (time, memory) when
+to_dict, flatten_config or yaml.safe_dump walk it; counted on the node graph, it is refused before it is built."""
+MAX_EXTENDS = 16
+"""Longest chain of ``extends`` files."""
+
 
 def load_experiment(path: str | os.PathLike[str], overrides: typing.Sequence[str] = ()) -> ExperimentConfig:
-    """Read an experiment YAML (with ``preset`` and ``extends``) and apply ``a.b=c`` overrides."""
+    """Read an experiment YAML (with ``preset`` and ``extends``) and apply ``a.b=c`` overrides.
+
+    Every problem is a ConfigError naming the key or the file (module docstring); nothing is written.
+    """
     raw = _read_with_extends(Path(path), seen=())
     raw = apply_overrides(raw, overrides)
+    _check_finite(raw, "")
     preset = raw.get("preset", "custom")
-    if preset not in PRESETS:
-        raise ConfigError(f"preset: {preset!r} is not one of {list(PRESETS)}")
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise ConfigError(f"preset: {_show(preset)} is not one of {list(PRESETS)}")
     return build_config(ExperimentConfig, _deep_merge(PRESETS[preset], raw))
 
 
@@ -485,6 +540,7 @@ def load_sweep(path: str | os.PathLike[str], overrides: typing.Sequence[str] = (
     """Read a sweep YAML; ``base`` is resolved relative to the sweep file."""
     p = Path(path)
     raw = apply_overrides(_read_yaml(p), overrides)
+    _check_finite(raw, "")
     cfg = build_config(SweepConfig, raw)
     if not cfg.base:
         raise ConfigError("base: a sweep must name its base experiment YAML")
@@ -497,15 +553,106 @@ def load_sweep(path: str | os.PathLike[str], overrides: typing.Sequence[str] = (
     return dataclasses.replace(cfg, base=str(base))
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise ConfigError(f"{path}: file not found")
+class _YAMLLimit(Exception):
+    """A document over one of :class:`_BoundedLoader`'s limits (the caller names the file or key)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader with the document's shape bounded before any Python data is built from it.
+
+    Nesting deeper than MAX_NESTING is refused while composing, before the composer's recursion gets deep;
+    the composed node graph is then measured with its aliases expanded (:func:`_check_expanded`).
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_NESTING:
+                line = self.peek_event().start_mark.line + 1
+                raise _YAMLLimit(f"nested deeper than {MAX_NESTING} levels (line {line})")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> yaml.Node | None:
+        node = super().compose_document()
+        if node is not None:
+            _check_expanded(node)
+        return node
+
+
+def _check_expanded(root: yaml.Node) -> None:
+    """_YAMLLimit when ``root`` with its aliases expanded exceeds MAX_EXPANDED or MAX_NESTING, or contains itself.
+
+    Each distinct node is measured once (memoized by identity), so a bomb of nine aliases nine deep costs
+    81 steps here instead of 9^9 later. Iterative: an alias chain can be deeper than Python's recursion limit.
+    """
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    open_nodes: set[int] = set()  # entered, children not finished: the ancestors of the node at hand
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        kids = _yaml_children(node)
+        if finished:
+            open_nodes.discard(key)
+            chars = len(node.value) if isinstance(node, yaml.ScalarNode) else 0
+            size[key] = 1 + chars + sum(size[id(k)] for k in kids)
+            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            if size[key] > MAX_EXPANDED:
+                raise _YAMLLimit(f"its aliases expand past {MAX_EXPANDED:,} nodes and characters "
+                                 f"(line {node.start_mark.line + 1})")
+            if depth[key] > MAX_NESTING:
+                raise _YAMLLimit(f"its aliases nest deeper than {MAX_NESTING} levels (line {node.start_mark.line + 1})")
+        elif key not in size:
+            if key in open_nodes:
+                raise _YAMLLimit(f"an alias refers to a node that contains it (line {node.start_mark.line + 1})")
+            open_nodes.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids)
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _parse_yaml(text: str) -> Any:
+    """``text`` as bounded YAML; _YAMLLimit, yaml.YAMLError, or ValueError for a scalar PyYAML cannot build."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader: plain data only
+    except OverflowError as e:  # e.g. a timestamp past year 9999
+        raise ValueError(str(e)) from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line for a YAML error: what and where (PyYAML's own text spans lines and quotes the input)."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:  # a ReaderError (a control character): its own text says which and where
+        return f"malformed YAML: {_one_line(str(e))}"
+    problem = getattr(e, "problem", None) or type(e).__name__
+    return f"malformed YAML at line {mark.line + 1}, column {mark.column + 1}: {_one_line(str(problem))}"
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping; every way it can fail is a ConfigError naming the file."""
+    text = _read_text(path)
+    try:
+        data = _parse_yaml(text)
+    except _YAMLLimit as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+        raise ConfigError(f"{path}: {_yaml_problem(e)}") from None
+    except ValueError as e:  # a scalar PyYAML cannot build: a 5,000-digit integer, 2024-13-45
+        raise ConfigError(f"{path}: {_one_line(str(e))}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -513,17 +660,50 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _read_text(path: Path) -> str:
+    """A config file's text: a regular file of at most MAX_CONFIG_BYTES of UTF-8, else a ConfigError naming it."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ConfigError(f"{path}: cannot read it ({_one_line(str(e))})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{path}: is a directory, not a YAML file")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO, a device: reading may never end
+        raise ConfigError(f"{path}: not a regular file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {st.st_size:,} bytes; a config file may have at most {MAX_CONFIG_BYTES:,}")
+    try:
+        with path.open("rb") as fh:
+            blob = fh.read(MAX_CONFIG_BYTES + 1)  # the size may have changed since stat
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({_one_line(str(e))})") from None
+    if len(blob) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES:,} bytes")
+    try:
+        return blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is {blob[e.start]:#04x})") from None
+
+
 def _read_with_extends(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     path = path.resolve() if path.exists() else path
     if path in seen:
         raise ConfigError(f"extends: cycle through {path}")
+    if len(seen) > MAX_EXTENDS:
+        raise ConfigError(f"extends: a chain of more than {MAX_EXTENDS} files ({path})")
     data = _read_yaml(path)
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    if not isinstance(parent, str):
-        raise ConfigError(f"extends: expected a file path, got {type(parent).__name__}")
-    base = _read_with_extends(path.parent / parent, seen + (path,))
+    if not isinstance(parent, str) or not parent.strip():
+        raise ConfigError(f"extends: expected the path of a YAML file, got {_show(parent)} (in {path})")
+    target = path.parent / parent
+    if not target.is_file():  # said here, so the message names the key as well as the file
+        why = "is a directory" if target.is_dir() else "is not a regular file" if target.exists() else "not found"
+        raise ConfigError(f"extends: {_show(parent)} {why} (looked for {target}, from {path})")
+    base = _read_with_extends(target, seen + (path,))
     return _deep_merge(base, data)
 
 
@@ -534,6 +714,18 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_finite(data: Any, path: str) -> None:
+    """ConfigError at the first inf or nan anywhere in ``data``, typed fields or not (``trainer.deepspeed``...)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ConfigError(f"{path or '<root>'}: {data!r} is not a finite number")
+    if isinstance(data, dict):
+        for k, v in data.items():
+            _check_finite(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(data, (list, tuple)):
+        for i, v in enumerate(data):
+            _check_finite(v, f"{path}[{i}]")
+
+
 def apply_overrides(raw: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` strings (values parsed as YAML scalars/lists); returns a new dict."""
     out = _deep_merge({}, raw)
@@ -541,13 +733,17 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Sequence[str]) -> dic
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r}: expected key.path=value")
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            value = text
-        node = out
+            raise ConfigError(f"override {_show(item)}: expected key.path=value")
         parts = key.split(".")
+        if len(parts) > MAX_NESTING:
+            raise ConfigError(f"override {_show(key)}: a key path of more than {MAX_NESTING} parts")
+        try:
+            value = _parse_yaml(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text  # not YAML: the text itself, a string
+        except (_YAMLLimit, ValueError) as e:
+            raise ConfigError(f"{key}: {_one_line(str(e))}") from None
+        node = out
         for part in parts[:-1]:
             child = node.get(part)
             child = dict(child) if isinstance(child, dict) else {}
@@ -555,6 +751,53 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Sequence[str]) -> dic
             node = child
         node[parts[-1]] = value
     return out
+
+
+def _check_env(env: EnvConfig, key: str) -> None:
+    """ConfigError unless ``env`` names a registered env and its params build it (the env checks them).
+
+    Building is cheap (envs make levels and catalogues lazily) and runs the env's own checks: its signature is
+    its schema (envs/base.py), so a parameter is refused here as it would be at ``make``, before a run exists.
+    """
+    from pydantic import ValidationError
+
+    from ragen_core.envs import env_spec, make  # lazily: `ragen --help` and the flows' imports stay light
+
+    try:
+        spec = env_spec(env.name)
+    except KeyError as e:
+        raise ConfigError(f"{key}.name: {e.args[0]}") from None
+    if env.tag is not None and not _TAG.fullmatch(env.tag):
+        raise ConfigError(f"{key}.tag: {_show(env.tag)} cannot label metrics (env/<tag>/...); use 1-64 letters, "
+                          "digits, '.', '_' and '-'")
+    for name in env.params:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"{key}.params: {_show(name)} is not a parameter name")
+    try:
+        make(env.name, **env.params)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else "?"
+        if first["type"] == "unexpected_keyword_argument":
+            raise ConfigError(f"{key}.params.{param}: not a parameter of {spec.name} (it takes: "
+                              f"{', '.join(_env_parameters(spec.entry_point))})") from None
+        raise ConfigError(f"{key}.params.{param}: {_show(first.get('input'))} is not allowed: "
+                          f"{first['msg'][:1].lower()}{first['msg'][1:]}") from None
+    except (ValueError, TypeError) as e:  # the constructor's own cross-parameter checks
+        raise ConfigError(f"{key}.params: {spec.name}: {_one_line(str(e))}") from None
+
+
+_TAG = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _env_parameters(entry_point: str) -> list[str]:
+    """The keyword parameters an env class takes (its signature), for error messages."""
+    import importlib
+    import inspect
+
+    module, cls = entry_point.split(":")
+    init = getattr(importlib.import_module(module), cls).__init__
+    return [n for n, p in inspect.signature(init).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
 def build_config(cls: type, data: Any, path: str = "") -> Any:
@@ -573,12 +816,12 @@ def build_config(cls: type, data: Any, path: str = "") -> Any:
                 raise ConfigError(f"{kpath}: replaced by {RENAMED_KEYS[kpath]}")
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{kpath}: unknown key{hint} (allowed: {', '.join(fields)})")
+            raise ConfigError(f"{_show_key(kpath)}: unknown key{hint} (allowed: {', '.join(fields)})")
         kwargs[key] = _check_bounds(_coerce(hints[key], value, kpath), fields[key].metadata, kpath)
     try:
         return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{path + ': ' if path else ''}{e}") from None
+    except ConfigError as e:  # a section's own checks name keys relative to it
+        raise ConfigError(f"{path + '.' if path else ''}{e}") from None
 
 
 _EXPONENT_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -596,7 +839,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             return _coerce(inner[0], value, path)
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {list(args)}")
+            raise ConfigError(f"{path}: {_show(value)} is not allowed; choose one of {list(args)}")
         return value
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a schema names classes, never instances
         return build_config(tp, value, path)
@@ -621,26 +864,40 @@ def _coerce_tuple(args: tuple[Any, ...], value: Any, path: str) -> tuple[Any, ..
 
 
 def _coerce_scalar(tp: Any, value: Any, path: str) -> Any:
-    """bool, int, float or str, checked strictly (a YAML true is no integer, 1 is no bool)."""
+    """bool, int, float or str, checked strictly (a YAML true is no integer, 1 is no bool); numbers finite and
+    integers within 64 bits (torch, numpy and SQLite take no more)."""
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+            raise ConfigError(f"{path}: expected true or false, got {_show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {_show(value)}")
+        if not -(2**63) <= value < 2**63:
+            raise ConfigError(f"{path}: {_show(value)} is out of range; an integer must fit in 64 bits")
         return value
     if tp is float:
-        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
-            return float(value)  # PyYAML (YAML 1.1) reads 1e-4, without a dot, as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
+        return _coerce_float(value, path)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
+            raise ConfigError(f"{path}: expected a string, got {_show(value)}")
         return value
     raise ConfigError(f"{path}: unsupported type {tp}")  # pragma: no cover - a schema bug
+
+
+def _coerce_float(value: Any, path: str) -> float:
+    """A finite float from a YAML number (or an exponent string: PyYAML, YAML 1.1, reads 1e-4 as one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{path}: expected a number, got {_show(value)}")
+    if isinstance(value, str) and not _EXPONENT_NUMBER.fullmatch(value.strip()):
+        raise ConfigError(f"{path}: expected a number, got {_show(value)}")
+    try:
+        number = float(value)  # an exponent string: 1e400 becomes inf, refused below
+    except OverflowError:  # an integer of 309 digits or more
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{path}: {_show(value)} is not a finite number")
+    return number
 
 
 def _check_bounds(value: Any, meta: typing.Mapping[str, Any], path: str) -> Any:
@@ -656,6 +913,28 @@ def _check_bounds(value: Any, meta: typing.Mapping[str, Any], path: str) -> Any:
 
 def _tname(v: Any) -> str:
     return "null" if v is None else type(v).__name__
+
+
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
+_SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxlevel = 6, 6, 4, 2
+
+
+def _show(value: Any) -> str:
+    """A value as an error message quotes it: its repr, cut short (a message stays one readable line)."""
+    try:
+        return _one_line(_SHORT.repr(value))
+    except ValueError:  # an integer of more than 4,300 digits has no repr
+        return f"<{type(value).__name__}>"
+
+
+def _show_key(path: str) -> str:
+    """A key path as an error message names it, cut short when a file makes keys of kilobytes."""
+    return _one_line(path if len(path) <= 120 else f"{path[:117]}...")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

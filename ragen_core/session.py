@@ -145,8 +145,8 @@ def new_run_name(cfg: ExperimentConfig) -> str:
 
 
 def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, RunDir]:
-    """The saved resolved config of a run (name or folder; plus overrides, e.g. more iterations) and its folder."""
-    folder = RunDir.find(run)
+    """The saved resolved config of a run under the runs root (RunDir.resumable), plus overrides, and its folder."""
+    folder = RunDir.resumable(run)
     problem = folder.config_problem()  # a cut config.yaml would resume with defaults for its missing keys
     if problem:
         raise ConfigError(f"cannot resume {folder.name}: {problem}")

@@ -14,13 +14,17 @@ model reads name semantics (a "Dragon" sounds risky); BanditRev swaps the roles.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import Field
 
-from ragen_core.envs.base import StepOutcome, TextEnv
+from ragen_core.envs.base import StepOutcome, TextEnv, checked_params
 
 __all__ = ["BanditEnv"]
+
+ArmName = Annotated[str, Field(min_length=1, max_length=64)]
+"""An arm's name: the action the model answers with, so never empty."""
 
 
 class BanditEnv(TextEnv):
@@ -29,21 +33,20 @@ class BanditEnv(TextEnv):
     name = "Bandit"
     budget_from_rollout = False  # one action by the rules of the game
 
+    @checked_params
     def __init__(
         self,
         *,
-        low_risk_name: str = "Phoenix",
-        high_risk_name: str = "Dragon",
+        low_risk_name: ArmName = "Phoenix",
+        high_risk_name: ArmName = "Dragon",
         low_risk_reward: float = 0.15,
         high_risk_reward: float = 1.0,
-        high_risk_prob: float = 0.25,
-        max_steps: int | None = 1,
+        high_risk_prob: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25,
+        max_steps: Annotated[int, Field(ge=1)] | None = 1,
     ) -> None:
         super().__init__(max_steps=max_steps)
         if low_risk_name.casefold() == high_risk_name.casefold():
-            raise ValueError("the two arms need different names")
-        if not 0.0 <= high_risk_prob <= 1.0:
-            raise ValueError(f"high_risk_prob must be in [0, 1], got {high_risk_prob}")
+            raise ValueError(f"high_risk_name: the two arms need different names, both are {low_risk_name!r}")
         self.low_risk_name = low_risk_name
         self.high_risk_name = high_risk_name
         self.low_risk_reward = float(low_risk_reward)

@@ -41,14 +41,22 @@ from typing import Any, ClassVar
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from pydantic import ConfigDict, validate_call
 
-__all__ = ["MAX_TEXT_CHARS", "TEXT_CHARSET", "StepOutcome", "TextEnv"]
+__all__ = ["MAX_TEXT_CHARS", "TEXT_CHARSET", "StepOutcome", "TextEnv", "checked_params"]
 
 # Nominal gymnasium spaces: observations and actions are strings. The charset is what the
 # built-in renderers use; free-form envs may echo other Unicode, so the spaces are descriptive,
 # not a validation rule.
 TEXT_CHARSET: str = string.printable + "√›—…·×÷−"
 MAX_TEXT_CHARS: int = 100_000
+
+checked_params = validate_call(config=ConfigDict(strict=True, allow_inf_nan=False))
+"""Decorator of every env constructor: its signature is the env's parameter schema (types, and bounds as
+``Annotated[int, Field(ge=1)]``), checked by pydantic before the body runs. Strict, because a config's YAML
+``true`` is no count and ``"3"`` no number; finite, because an ``.inf`` reward or probability poisons every
+return. A bad or unknown parameter raises pydantic's ValidationError (a ValueError) naming it, whether the env
+is built directly, by ``make`` or while an experiment config is loaded (config.py builds each env once)."""
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,17 @@ import ast
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import Field
 
-from ragen_core.envs.base import StepOutcome, TextEnv
+from ragen_core.envs.base import StepOutcome, TextEnv, checked_params
 
 __all__ = [
     "MAX_ANSWER_CHARS",
+    "MAX_DRAWS",
+    "MAX_NUMBERS",
     "AnswerScore",
     "CountdownEnv",
     "CountdownProblem",
@@ -49,6 +52,12 @@ MAX_ANSWER_CHARS = 256
 """Longer answers are rejected before parsing (bounds parser work and recursion depth)."""
 _MAX_NODES = 64
 _MAX_LITERAL = 10**6
+MAX_NUMBERS = 6
+"""Most numbers in a problem: with more, products leave ``[1, max_target]`` so often that drawing a problem
+stalls (50 numbers never finished; 6 take ~1 ms), and the reference plays 3-4."""
+MAX_DRAWS = 100_000
+"""Draws ``generate_problem`` makes before it gives up (parameters under which a target is that rare, such as
+max_number 10**6 with max_target 1, would otherwise loop for ever)."""
 _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _RESULT_SUFFIX = re.compile(r"([^=]*)=\s*-?\d+(?:\.\d+)?", re.ASCII)
 _ALLOWED_CHARS = re.compile(r"[0-9.+\-*/() \t\n]+", re.ASCII)
@@ -81,10 +90,10 @@ class AnswerScore:
 
 def generate_problem(rng: np.random.Generator, min_numbers: int = 3, max_numbers: int = 4,
                      max_number: int = 100, max_target: int = 100) -> CountdownProblem:
-    """A problem with a known solution (module docstring)."""
+    """A problem with a known solution (module docstring); RuntimeError after ``MAX_DRAWS`` draws without one."""
     if not 2 <= min_numbers <= max_numbers or max_number < 1 or max_target < 1:
         raise ValueError("need 2 <= min_numbers <= max_numbers, max_number >= 1, max_target >= 1")
-    while True:
+    for _ in range(MAX_DRAWS):
         n = int(rng.integers(min_numbers, max_numbers + 1))
         numbers = tuple(int(x) for x in rng.integers(1, max_number + 1, size=n))
         items: list[tuple[int, str]] = [(v, str(v)) for v in numbers]
@@ -115,6 +124,8 @@ def generate_problem(rng: np.random.Generator, min_numbers: int = 3, max_numbers
             if expr.startswith("(") and expr.endswith(")") and _balanced(expr[1:-1]):
                 expr = expr[1:-1]
             return CountdownProblem(numbers=numbers, target=value, solution=expr)
+    raise RuntimeError(f"no Countdown problem with {min_numbers}-{max_numbers} numbers up to {max_number} reaches a "
+                       f"target in [1, {max_target}] in {MAX_DRAWS} draws; raise max_target or lower max_number")
 
 
 def _wrap(e: str) -> str:
@@ -220,9 +231,19 @@ class CountdownEnv(TextEnv):
     free_form_actions = True
     budget_from_rollout = False  # one action by the rules of the game
 
-    def __init__(self, *, min_numbers: int = 3, max_numbers: int = 4, max_number: int = 100,
-                 max_target: int = 100, max_steps: int | None = 1) -> None:
+    @checked_params
+    def __init__(
+        self,
+        *,
+        min_numbers: Annotated[int, Field(ge=2, le=MAX_NUMBERS)] = 3,
+        max_numbers: Annotated[int, Field(ge=2, le=MAX_NUMBERS)] = 4,
+        max_number: Annotated[int, Field(ge=1, le=_MAX_LITERAL)] = 100,  # answers with larger literals are refused
+        max_target: Annotated[int, Field(ge=1, le=_MAX_LITERAL)] = 100,
+        max_steps: Annotated[int, Field(ge=1)] | None = 1,
+    ) -> None:
         super().__init__(max_steps=max_steps)
+        if min_numbers > max_numbers:
+            raise ValueError(f"min_numbers ({min_numbers}) exceeds max_numbers ({max_numbers})")
         self.min_numbers, self.max_numbers = min_numbers, max_numbers
         self.max_number, self.max_target = max_number, max_target
         self.reward_range = (0.0, 1.0)

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import Field
 
-from ragen_core.envs.base import StepOutcome, TextEnv
+from ragen_core.envs.base import StepOutcome, TextEnv, checked_params
 
-__all__ = ["DEFAULT_SYMBOLS", "FrozenLakeEnv", "generate_map"]
+__all__ = ["DEFAULT_SYMBOLS", "MAX_SIZE", "FrozenLakeEnv", "generate_map"]
 
 Pos = tuple[int, int]
 # Index order matters: (a - 1) % 4 and (a + 1) % 4 are the perpendicular moves of a.
@@ -36,6 +37,8 @@ ACTIONS: tuple[str, ...] = ("Left", "Down", "Right", "Up")
 _DELTAS: tuple[Pos, ...] = ((0, -1), (1, 0), (0, 1), (-1, 0))
 _MEANINGS = ("player", "frozen", "hole", "goal", "player in hole", "player on goal")
 DEFAULT_SYMBOLS = "P_OGX√"
+MAX_SIZE = 32
+"""Largest side of a map: each try of the map generator is O(size²) and a prompt shows the whole map."""
 
 
 def _reachable(frozen: np.ndarray, start: Pos, goal: Pos) -> bool:
@@ -75,21 +78,20 @@ class FrozenLakeEnv(TextEnv):
 
     name = "FrozenLake"
 
+    @checked_params
     def __init__(
         self,
         *,
-        size: int = 4,
-        p_frozen: float = 0.8,
+        size: Annotated[int, Field(ge=2, le=MAX_SIZE)] = 4,
+        p_frozen: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8,
         slippery: bool = True,
         symbols: str | Sequence[str] = DEFAULT_SYMBOLS,
-        max_steps: int | None = 10,
+        max_steps: Annotated[int, Field(ge=1)] | None = 10,
     ) -> None:
         super().__init__(max_steps=max_steps)
         symbols = "".join(symbols)
         if len(symbols) != 6 or len(set(symbols)) != 6:
             raise ValueError(f"symbols must be 6 distinct characters ({', '.join(_MEANINGS)}), got {symbols!r}")
-        if size < 2 or not 0.0 < p_frozen <= 1.0:
-            raise ValueError("need size >= 2 and 0 < p_frozen <= 1")
         self.size, self.p_frozen, self.slippery = size, float(p_frozen), bool(slippery)
         self.symbols = symbols
         self.reward_range = (0.0, 1.0)

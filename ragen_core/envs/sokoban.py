@@ -52,16 +52,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
+from pydantic import Field
 
-from ragen_core.envs.base import StepOutcome, TextEnv
+from ragen_core.envs.base import StepOutcome, TextEnv, checked_params
 
 __all__ = [
-    "DEFAULT_SYMBOLS", "LEVEL_GENERATORS", "MIN_MOVES_CAP", "NEW_VOCAB_SYMBOLS", "SokobanEnv", "SokobanLevel",
-    "generate_level", "generate_reference_level", "generate_uniform_level", "parse_level", "reference_room_steps",
-    "shortest_solution_length",
+    "DEFAULT_SYMBOLS", "LEVEL_GENERATORS", "MAX_BOXES", "MAX_MOVES", "MAX_SIDE", "MIN_MOVES_CAP", "NEW_VOCAB_SYMBOLS",
+    "SokobanEnv", "SokobanLevel", "generate_level", "generate_reference_level", "generate_uniform_level",
+    "parse_level", "reference_room_steps", "shortest_solution_length",
 ]
 
 Pos = tuple[int, int]
@@ -197,6 +198,9 @@ _WANDER_STEPS, _P_WANDER_ON = 3, 0.5
 """The final player walk: at most 3 steps, going on after each with probability 0.5."""
 MIN_MOVES_CAP = 30
 """Longest shortest solution the forward BFS looks for; ``info["min_moves"]`` is None beyond it."""
+MAX_SIDE, MAX_BOXES, MAX_MOVES = 16, 4, 100
+"""Bounds of the env's parameters: the reverse searches and the forward BFS grow with the room, the boxes and
+the move band (the reference plays 6x6 and 8x8 with 1-2 boxes), and a bigger room would not finish a reset."""
 
 
 def reference_room_steps(height: int, width: int) -> int:
@@ -402,19 +406,20 @@ class SokobanEnv(TextEnv):
 
     name = "Sokoban"
 
+    @checked_params
     def __init__(
         self,
         *,
-        height: int = 6,
-        width: int = 6,
-        n_boxes: int = 1,
-        generator: str = "reference",
-        search_depth: int = 300,
-        room_steps: int | None = None,
-        min_moves: int | None = None,
-        max_moves: int | None = None,
+        height: Annotated[int, Field(ge=3, le=MAX_SIDE)] = 6,
+        width: Annotated[int, Field(ge=3, le=MAX_SIDE)] = 6,
+        n_boxes: Annotated[int, Field(ge=1, le=MAX_BOXES)] = 1,
+        generator: Literal["reference", "uniform"] = "reference",
+        search_depth: Annotated[int, Field(ge=3, le=10_000)] = 300,
+        room_steps: Annotated[int, Field(ge=1, le=10_000)] | None = None,
+        min_moves: Annotated[int, Field(ge=1, le=MAX_MOVES)] | None = None,
+        max_moves: Annotated[int, Field(ge=1, le=MAX_MOVES)] | None = None,
         symbols: str | Sequence[str] = DEFAULT_SYMBOLS,
-        max_steps: int | None = 10,
+        max_steps: Annotated[int, Field(ge=1)] | None = 10,
         step_reward: float = -0.1,
         box_on_reward: float = 1.0,
         box_off_reward: float = -1.0,
@@ -424,23 +429,21 @@ class SokobanEnv(TextEnv):
         symbols = "".join(symbols)
         if len(symbols) != 7 or len(set(symbols)) != 7:
             raise ValueError(f"symbols must be 7 distinct characters ({', '.join(_MEANINGS)}), got {symbols!r}")
-        if height < 3 or width < 3 or n_boxes < 1:
-            raise ValueError("need height, width >= 3 and n_boxes >= 1")
+        if (height - 2) * (width - 2) < n_boxes + 2:  # what the generators need, checked before the first reset
+            raise ValueError(f"n_boxes: a {height}x{width} room cannot hold {n_boxes} boxes")
+        if generator == "uniform":  # it needs a band: 2..10 unless given
+            min_moves, max_moves = 2 if min_moves is None else min_moves, 10 if max_moves is None else max_moves
+        if min_moves is not None and max_moves is not None and min_moves > max_moves:
+            raise ValueError(f"min_moves ({min_moves}) exceeds max_moves ({max_moves})")
         self.height, self.width, self.n_boxes = height, width, n_boxes
         self.generator, self.search_depth = generator, search_depth
         self.room_steps = reference_room_steps(height, width) if room_steps is None else room_steps
         self.min_moves, self.max_moves = min_moves, max_moves
-        # Each generator gets its own parameters; "uniform" needs a band (default 2..10), for
+        # Each generator gets its own parameters; "uniform" needs a band (above), for
         # "reference" the band is an optional filter (module docstring).
+        self._generator_params: dict[str, Any] = {"min_moves": min_moves, "max_moves": max_moves}
         if generator == "reference":
-            self._generator_params: dict[str, Any] = {
-                "search_depth": search_depth, "room_steps": self.room_steps,
-                "min_moves": min_moves, "max_moves": max_moves}
-        elif generator == "uniform":
-            self._generator_params = {"min_moves": 2 if min_moves is None else min_moves,
-                                      "max_moves": 10 if max_moves is None else max_moves}
-        else:
-            raise ValueError(f"unknown generator {generator!r}; choose from {sorted(LEVEL_GENERATORS)}")
+            self._generator_params.update(search_depth=search_depth, room_steps=self.room_steps)
         self.symbols = symbols
         self.step_reward, self.box_on_reward = float(step_reward), float(box_on_reward)
         self.box_off_reward, self.solved_reward = float(box_off_reward), float(solved_reward)

@@ -7,6 +7,7 @@
     run.read_history()                                    # [{"iteration": 0, "val/success": 0.4}]
     run.latest_checkpoint()                               # checkpoints/iter=NNNNNN, or None
     run = RunDir.find("bandit-starpo-s-20260101-120000")  # a run by name or by path (holds config.yaml)
+    run = RunDir.resumable("bandit-starpo-s-20260101-120000")  # a run under $RAGEN_DATA_DIR/runs, to continue
 
 Layout of ``$RAGEN_DATA_DIR/runs/<name>/``::
 
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ragen_core.config import data_dir
+from ragen_core.config import ConfigError, check_run_name, data_dir
 from ragen_core.store.files import atomic_write_text, fsync_dir, pid_alive
 from ragen_core.types import Trajectory
 
@@ -106,13 +107,6 @@ def runs_root() -> Path:
     return data_dir() / "runs"
 
 
-def check_run_name(name: str) -> str:
-    """``name`` when it is a plain folder name; ValueError otherwise (empty, '.', '..', or with a '/')."""
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"bad run name {name!r}: use a plain directory name")
-    return name
-
-
 PARTITION_KEY = "iteration"
 """The shards' hive partition key: the column's own name."""
 
@@ -166,6 +160,31 @@ class RunDir:
         if not (path / CONFIG_FILE).exists():
             raise FileNotFoundError(f"no run {str(run)!r}: neither {run} nor {path} holds a config.yaml")
         return cls(path)
+
+    @classmethod
+    def resumable(cls, run: str | os.PathLike[str], key: str = "resume") -> RunDir:
+        """An existing run to continue (``ragen train --resume``, the flow's ``resume``): a run name, or the path
+        of a run folder directly under ``$RAGEN_DATA_DIR/runs``; ConfigError otherwise.
+
+        Resuming writes into the folder, so unlike :meth:`find` it never leaves the runs root: '../../etc' or
+        '/tmp/x' is refused, as an unknown run is, before any flow starts. ``key`` names the option in messages.
+        """
+        root = runs_root()
+        text = os.fspath(run)
+        if os.sep in text or (os.altsep and os.altsep in text):
+            try:
+                path = Path(text).expanduser().resolve()
+            except (OSError, ValueError, RuntimeError) as e:  # a NUL, a symlink loop, an unknown ~user
+                raise ConfigError(f"{key}: {text[:200]!r} is no path ({e})") from None
+            if path.parent != root.resolve():
+                raise ConfigError(f"{key}: {text[:200]!r} is not a run folder under {root}; name a run there")
+            name = path.name
+        else:
+            name = text
+        folder = cls.named(check_run_name(name, key))
+        if not folder.config_path.is_file():
+            raise ConfigError(f"{key}: no run {name!r} under {root} (no {CONFIG_FILE} there)")
+        return folder
 
     @classmethod
     def of_checkpoint(cls, checkpoint: str | os.PathLike[str]) -> RunDir:

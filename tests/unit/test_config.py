@@ -64,7 +64,8 @@ def test_presets(tmp_path, preset, strategy, value, include_zero, kl, clip_high,
 
 def test_file_values_win_over_preset_and_overrides_win_over_file(tmp_path) -> None:
     p = write(tmp_path, "preset: starpo-s\nalgorithm: {filter_value: 0.5}\ntrainer: {iterations: 7}\n")
-    cfg = load_experiment(p, ["trainer.iterations=3", "rollout.think=false", "env.params.size=6"])
+    overrides = ["trainer.iterations=3", "rollout.think=false", "env.name=FrozenLake", "env.params.size=6"]
+    cfg = load_experiment(p, overrides)
     assert cfg.algorithm.filter_value == 0.5 and cfg.algorithm.clip_high == 0.28
     assert cfg.trainer.iterations == 3 and cfg.rollout.think is False
     assert cfg.env.params == {"size": 6}
@@ -191,3 +192,87 @@ def test_exponent_numbers_without_a_dot_are_numbers(tmp_path) -> None:
     for bad in ("fast", "1e", "e-4", "1e-4x"):
         with pytest.raises(ConfigError, match=r"trainer\.actor_lr: expected a number"):
             load_experiment(write(tmp_path, "name: x\n"), [f"trainer.actor_lr={bad}"])
+
+
+# ---------------------------------------------------------------- issue 20: bounded loading (tests/unit/config_corpus)
+
+
+def test_modest_anchors_and_aliases_still_load(tmp_path) -> None:
+    """The limits measure what aliases expand to; they do not forbid them."""
+    text = ("x-shared: &lake {name: FrozenLake, params: {size: 5, p_frozen: 0.9}}\n"
+            "env: *lake\neval: {envs: [*lake, {name: Bandit}]}\n")
+    with pytest.raises(ConfigError, match="x-shared: unknown key"):  # an unknown section stays an error
+        load_experiment(write(tmp_path, text))
+    cfg = load_experiment(write(tmp_path, text.replace("x-shared: &lake", "env: &lake").replace("env: *lake\n", "")))
+    assert cfg.env.params == {"size": 5, "p_frozen": 0.9} and cfg.eval.envs[0] == cfg.env
+
+
+def test_the_alias_bomb_is_refused_in_milliseconds(tmp_path) -> None:
+    import time
+
+    rows = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    rows += [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi", strict=True)]
+    path = write(tmp_path, "env:\n  name: Bandit\n  params:\n" + "".join(f"    {r}\n" for r in rows))
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"aliases expand past 1,000,000"):
+        load_experiment(path)
+    assert time.perf_counter() - start < 5.0  # 9^9 lists expanded would take minutes and gigabytes
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("trainer.actor_lr=.inf", "trainer.actor_lr: inf is not a finite number"),
+    ("trainer.actor_lr=1e400", "trainer.actor_lr: '1e400' is not a finite number"),
+    ("trainer.betas=[.nan, 0.9]", "trainer.betas[0]: nan is not a finite number"),
+    ("trainer.betas=[0.9, 1.0]", "trainer.betas[1]: 1.0 is out of range"),
+    ("trainer.deepspeed={bucket: .inf}", "trainer.deepspeed.bucket: inf is not a finite number"),
+    ("trainer.seed=18446744073709551616", "trainer.seed: 18446744073709551616 is out of range"),
+    ("env.name=NoSuchEnv", "env.name: unknown env 'NoSuchEnv'"),
+    ("env.params.height=-5", "env.params.height: not a parameter of Bandit"),
+    ("eval.envs=[{name: Sokoban, params: {height: -5}}]", "eval.envs[0].params.height: -5 is not allowed"),
+    ("env.tag=a/b", "env.tag: 'a/b' cannot label metrics"),
+    ("preset=[starpo]", "preset: ['starpo'] is not one of"),
+    ("name=../../x", "name: bad run name '../../x'"),
+    ("env.params.x=" + "[" * 40 + "]" * 40, "env.params.x: nested deeper than 32 levels"),
+])
+def test_issue_20_values_are_refused_naming_the_key(tmp_path, override, needle) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_experiment(write(tmp_path, "name: x\n"), [override])
+    assert needle in str(e.value)
+
+
+def test_a_bad_env_parameter_is_refused_with_the_envs_own_check(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"env\.params\.results_per_page: 0 is not allowed"):
+        load_experiment(write(tmp_path, "env: {name: WebShop, params: {results_per_page: 0}}\n"))
+    with pytest.raises(ConfigError, match=r"env\.params: Countdown: min_numbers \(4\) exceeds max_numbers \(3\)"):
+        load_experiment(write(tmp_path, "env: {name: Countdown, params: {min_numbers: 4, max_numbers: 3}}\n"))
+
+
+def test_file_level_problems_name_the_file(tmp_path) -> None:
+    (tmp_path / "bin.yaml").write_bytes(b"name: \xff\n")
+    with pytest.raises(ConfigError, match=r"bin\.yaml: not UTF-8 text \(byte 6 is 0xff\)"):
+        load_experiment(tmp_path / "bin.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_experiment(tmp_path)
+    with pytest.raises(ConfigError, match=r"extends: expected the path of a YAML file, got ''"):
+        load_experiment(write(tmp_path, 'extends: ""\n'))
+    with pytest.raises(ConfigError, match=r"extends: '\.' is a directory"):
+        load_experiment(write(tmp_path, "extends: .\n"))
+    with pytest.raises(ConfigError, match="nested deeper than 32 levels"):
+        load_experiment(write(tmp_path, "x: " + "[" * 50_000 + "]" * 50_000 + "\n"))
+    with pytest.raises(ConfigError, match="at most 1,000,000"):
+        load_experiment(write(tmp_path, "#" * 1_000_001))
+
+
+def test_a_long_extends_chain_is_refused(tmp_path) -> None:
+    for i in range(20):
+        write(tmp_path, f"extends: e{i + 1}.yaml\n", f"e{i}.yaml")
+    write(tmp_path, "name: end\n", "e20.yaml")
+    with pytest.raises(ConfigError, match="extends: a chain of more than 16 files"):
+        load_experiment(tmp_path / "e0.yaml")
+    assert load_experiment(tmp_path / "e10.yaml").name == "end"
+
+
+def test_a_sweep_name_follows_the_run_name_rule(tmp_path) -> None:
+    write(tmp_path, "preset: starpo-s\n", "base.yaml")
+    with pytest.raises(ConfigError, match=r"^name: bad run name '\.\./escape'"):
+        load_sweep(write(tmp_path, "name: ../escape\nbase: base.yaml\n", "sw.yaml"))

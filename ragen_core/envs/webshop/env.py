@@ -31,11 +31,12 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import Field
 
-from ragen_core.envs.base import StepOutcome, TextEnv
+from ragen_core.envs.base import StepOutcome, TextEnv, checked_params
 from ragen_core.envs.webshop.catalog import Catalog, Goal, get_generated_catalog, make_goal, tokens
 from ragen_core.envs.webshop.loader import load_webshop_json
 from ragen_core.envs.webshop.reward import PurchaseScore, score_purchase
@@ -45,6 +46,8 @@ __all__ = ["WebShopEnv"]
 BACK, NEXT, PREV, BUY = "back to search", "next >", "< prev", "buy now"
 DEFAULT_PRODUCTS = 1200
 """Size of the generated catalogue unless ``num_products`` says otherwise (SPEC: >= 1,000)."""
+MAX_PRODUCTS = 1_200_000
+"""Most products: the original WebShop's 1.18 M (a generated catalogue builds ~14,000 a second)."""
 _ACTION = re.compile(r"(search|click)\s*\[(.*)\]", re.IGNORECASE | re.DOTALL)
 
 
@@ -60,19 +63,20 @@ class WebShopEnv(TextEnv):
     name = "WebShop"
     free_form_actions = True
 
+    @checked_params
     def __init__(
         self,
         *,
-        num_products: int | None = None,
-        catalog_seed: int = 0,
+        num_products: Annotated[int, Field(ge=1, le=MAX_PRODUCTS)] | None = None,
+        catalog_seed: Annotated[int, Field(ge=0)] = 0,
         products_path: str | os.PathLike[str] | None = None,
         attributes_path: str | os.PathLike[str] | None = None,
         human_goals_path: str | os.PathLike[str] | None = None,
-        max_steps: int | None = 9,
-        results_per_page: int = 10,
-        max_results: int = 50,
-        max_query_chars: int = 500,
-        goal_split: tuple[int, int] | None = None,
+        max_steps: Annotated[int, Field(ge=1)] | None = 9,
+        results_per_page: Annotated[int, Field(ge=1, le=100)] = 10,
+        max_results: Annotated[int, Field(ge=1, le=1000)] = 50,
+        max_query_chars: Annotated[int, Field(ge=1, le=10_000)] = 500,
+        goal_split: Annotated[tuple[Annotated[int, Field(ge=0)], int], Field(strict=False)] | None = None,
     ) -> None:
         super().__init__(max_steps=max_steps)
         self.num_products, self.catalog_seed = num_products, catalog_seed
@@ -80,9 +84,12 @@ class WebShopEnv(TextEnv):
                            for p in (products_path, attributes_path, human_goals_path))
         if self.paths[0] is None and any(self.paths[1:]):
             raise ValueError("attributes_path / human_goals_path need products_path")
+        for key, path in zip(("products_path", "attributes_path", "human_goals_path"), self.paths, strict=True):
+            if path is not None and not os.path.isfile(path):  # now, not at the first reset of a run
+                raise ValueError(f"{key}: no file {path!r}")
         self.results_per_page, self.max_results = results_per_page, max_results
         self.max_query_chars = max_query_chars
-        if goal_split is not None and not 0 <= goal_split[0] < goal_split[1]:
+        if goal_split is not None and not goal_split[0] < goal_split[1]:
             raise ValueError(f"goal_split must be (start, stop) with 0 <= start < stop, got {goal_split}")
         self.goal_split = goal_split
         self.reward_range = (0.0, 1.0)
@@ -100,7 +107,8 @@ class WebShopEnv(TextEnv):
         """The product catalogue (built on first use, shared by envs of this process)."""
         products, attributes, human = self.paths
         if products is None:
-            return get_generated_catalog(self.catalog_seed, self.num_products or DEFAULT_PRODUCTS)
+            n = DEFAULT_PRODUCTS if self.num_products is None else self.num_products
+            return get_generated_catalog(self.catalog_seed, n)
         return _cached_json_catalog(products, attributes, human, self.num_products, self.catalog_seed, os.getpid())
 
     @property

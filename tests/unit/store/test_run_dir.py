@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ragen_core.config import ConfigError
 from ragen_core.store import parquet
 from ragen_core.store.run_dir import RunDir, check_run_name
 
@@ -40,7 +41,8 @@ def test_named_follows_ragen_data_dir_and_creates_nothing(data: Path) -> None:
     assert run.shard_path(7) == parquet.shard_path(run.path, 7)  # the Parquet store uses the same layout
 
 
-@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", "/abs"])
+@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "a/b", "/abs", ".hidden", "-rf", "a b", "a\nb", "a\x00b",
+                                 "caf\u00e9", "~", "x" * 201])
 def test_bad_names_are_refused_with_a_clear_error(data: Path, bad: str) -> None:
     with pytest.raises(ValueError, match=r"bad run name .*plain directory name"):
         RunDir.named(bad)
@@ -51,6 +53,15 @@ def test_bad_names_are_refused_with_a_clear_error(data: Path, bad: str) -> None:
 
 def test_check_run_name_returns_a_good_name() -> None:
     assert check_run_name("bandit-starpo-s-20260101-120000") == "bandit-starpo-s-20260101-120000"
+    assert check_run_name("x" * 200) == "x" * 200 and check_run_name("v1.2_run") == "v1.2_run"
+
+
+def test_a_bad_run_name_is_a_config_error_naming_the_key() -> None:
+    """One rule, one error type for every entry point (the CLI turns a ConfigError into exit 2)."""
+    with pytest.raises(ConfigError, match=r"^--run-name: bad run name '\.\./x'"):
+        check_run_name("../x", "--run-name")
+    with pytest.raises(ConfigError, match="at most 160"):
+        check_run_name("x" * 161, "name", max_chars=160)
 
 
 def test_new_creates_the_folder_and_reuses_an_existing_one(data: Path) -> None:
@@ -156,6 +167,29 @@ def test_find_by_name_and_by_path(data: Path, tmp_path: Path, monkeypatch: pytes
     assert RunDir.find("exp-3") == RunDir(Path("exp-3"))  # a relative path wins over a name
 
 
+def test_resumable_is_a_run_under_the_runs_root(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = RunDir.new("exp-4")
+    run.write_config({"name": "exp"})
+    assert RunDir.resumable("exp-4") == run
+    assert RunDir.resumable(str(run.path)) == run and RunDir.resumable(run.path) == run
+    monkeypatch.chdir(data)
+    assert RunDir.resumable("runs/exp-4/") == run  # a relative path that lands in the runs root
+
+
+@pytest.mark.parametrize(("run", "message"), [
+    ("../../etc", "is not a run folder under"), ("/tmp", "is not a run folder under"),
+    ("runs/exp-5/checkpoints", "is not a run folder under"), ("missing", "no run 'missing'"),
+    ("..", "bad run name"), ("a\x00/b", "is no path"), ("exp-5-no-config", "no run"),
+])
+def test_resumable_refuses_anything_else(data: Path, monkeypatch: pytest.MonkeyPatch, run: str, message: str) -> None:
+    RunDir.new("exp-5").write_config({"name": "exp"})
+    RunDir.new("exp-5-no-config")
+    (data / "runs" / "exp-5" / "checkpoints").mkdir()
+    monkeypatch.chdir(data)
+    with pytest.raises(ConfigError, match=message):
+        RunDir.resumable(run, "--resume")
+
+
 def test_find_says_where_it_looked(data: Path, tmp_path: Path) -> None:
     RunDir.new("no-config")  # a folder without config.yaml is not a run
     with pytest.raises(FileNotFoundError, match=r"no run 'no-config': neither no-config nor .*runs/no-config holds"):
@@ -197,11 +231,12 @@ def test_a_corrupt_middle_history_line_is_skipped_and_kept(tmp_path: Path, caplo
     assert run.history_path.read_text().count("\n") == 4  # the file itself is left as it was
 
 
-def test_config_is_written_whole_and_a_cut_one_is_refused(tmp_path: Path) -> None:
+def test_config_is_written_whole_and_a_cut_one_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ragen_core.config import ConfigError, load_experiment, to_dict
     from ragen_core.session import resume_config
 
-    run = RunDir(tmp_path / "r").create()
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path))
+    run = RunDir.new("r")
     cfg = load_experiment(Path(__file__).parents[3] / "experiments" / "smoke.yaml")
     run.write_config(to_dict(cfg))
     assert run.config_problem() is None and not list(run.path.glob(".config*"))
@@ -210,7 +245,7 @@ def test_config_is_written_whole_and_a_cut_one_is_refused(tmp_path: Path) -> Non
     run.config_path.write_text(text[: len(text) // 2].rsplit("\n", 1)[0] + "\n")  # cut at a line end: parses
     assert "cut short" in (run.config_problem() or "")
     with pytest.raises(ConfigError, match="cut short"):
-        resume_config(str(run.path), [])
+        resume_config("r", [])
 
 
 def test_a_config_from_before_the_end_marker_is_checked_against_the_checkpoint(tmp_path: Path) -> None:
