@@ -67,6 +67,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ragen_core import distributed
 from ragen_core.config import ConfigError, ExperimentConfig
 from ragen_core.trainer.engine import learning_rates, trainable_parameters
 from ragen_core.trainer.models import PolicyModels
@@ -91,8 +92,8 @@ def init_distributed(device: torch.device) -> None:
     Picks DeepSpeed's CPU accelerator for CPU modules (it must be chosen before
     deepspeed first looks for one), then starts the torch process group if no one
     has: from torchrun's environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``…) when
-    present, else a one-process group on an in-memory store (no port opened) and
-    ``LOCAL_RANK=0``, which DeepSpeed requires.
+    present (:func:`ragen_core.distributed.join`), else a one-process group on an
+    in-memory store (no port opened) and ``LOCAL_RANK=0``, which DeepSpeed requires.
     Raises ConfigError when deepspeed is missing or already runs on another device type.
     """
     if device.type == "cpu":
@@ -109,13 +110,31 @@ def init_distributed(device: torch.device) -> None:
         raise ConfigError(f"trainer.backend: deepspeed runs on {accelerator!r} in this process but the models are on "
                           f"{device.type!r}; set model.device to match (or DS_ACCELERATOR before starting)")
     if not torch.distributed.is_initialized():
-        backend = "gloo" if device.type == "cpu" else "nccl"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or another launcher) set the group up
-            torch.distributed.init_process_group(backend, init_method="env://")
+        if distributed.launched():  # torchrun (or `ragen train --nproc`) named this rank and its world
+            distributed.join(device)
         else:
+            backend = "gloo" if device.type == "cpu" else "nccl"
             torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
             os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it (launchers set it)
+    _forget_stale_world_clone()
     deepspeed.init_distributed(verbose=False)  # wraps the existing group
+
+
+_cloned_from: list[object] = []
+"""The default process group DeepSpeed's cached world clone was made from (see below)."""
+
+
+def _forget_stale_world_clone() -> None:
+    """DeepSpeed clones the world group once per process (``deepspeed.utils.groups._WORLD_GROUP``) and uses the
+    clone as every engine's data-parallel group. When a process runs one world after another (a one-process run,
+    then rank 0 of ``ragen train --nproc 2``: the group is destroyed and a new one made), the clone would still be
+    the old, destroyed group: drop it so the next engine clones the current one."""
+    from deepspeed.utils import groups  # lazily: deepspeed is the optional [gpu] extra and slow to import
+
+    world = torch.distributed.group.WORLD
+    if _cloned_from and _cloned_from[0] is not world:
+        groups._WORLD_GROUP = None
+    _cloned_from[:] = [world]
 
 
 class DeepSpeedEngine:
