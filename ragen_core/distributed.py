@@ -19,7 +19,8 @@ every call.
 
 Starting a group: :func:`join` when the environment names one (torchrun's ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``; also what ``ragen train --nproc N`` gives the ranks it
-starts), or :func:`host` in the process that becomes rank 0 and starts the others itself. Objects travel
+starts), or :func:`open_store` then :func:`join_as_main` in the process that becomes rank 0 and starts the
+others itself. Objects travel
 pickled (``torch.distributed.all_gather_object``): fine for a few MB of trajectories per iteration.
 
 No Prefect, no MLflow: the edge (flows/) launches processes; the session calls this.
@@ -36,8 +37,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["ENV_KEYS", "barrier", "broadcast", "gather_lists", "host", "is_main", "join", "launched", "leave",
-           "main_first", "rank", "rank_env", "share", "split_map", "sum_values", "world_size"]
+__all__ = ["ENV_KEYS", "barrier", "broadcast", "gather_lists", "is_main", "join", "join_as_main", "launched",
+           "leave", "main_first", "open_store", "rank", "rank_env", "share", "split_map", "sum_values", "world_size"]
 
 T = TypeVar("T")
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -178,25 +179,26 @@ def join(device: torch.device) -> int:
     return world_size()
 
 
-def host(world: int, device: torch.device, start_others: Callable[[int], T]) -> T:
-    """Become rank 0 of a new group of ``world`` processes on this machine and start the others.
-
-    Opens the rendezvous store on a free port first (the OS picks it: no race for a port), calls
-    ``start_others(port)`` (which starts ranks 1..world-1 with :func:`rank_env`), then joins; returns what
-    ``start_others`` returned (the processes, to wait for).
-    """
+def open_store(world: int) -> dist.TCPStore:
+    """The rendezvous store of a new group of ``world`` processes on this machine, served by this process (rank 0)
+    on a port of 127.0.0.1 the OS picks (``.port``; no race for a free port). Start the other ranks with
+    :func:`rank_env` (that port), then :func:`join_as_main`."""
     _drop_lone_group()
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    started = start_others(store.port)
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+
+
+def join_as_main(store: dist.TCPStore, world: int, device: torch.device) -> None:
+    """Join the group of :func:`open_store` as rank 0; returns once all ``world`` ranks are in."""
     os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it (launchers set it)
     _use_local_device(device)
-    dist.init_process_group(_backend(device), store=store, rank=0, world_size=world)
-    return started
+    # The other ranks come in through env:// (join), which puts its keys under the prefix "default_pg"; a store
+    # passed in is used as it is, so rank 0 adds the same prefix or the ranks never see each other.
+    dist.init_process_group(_backend(device), store=dist.PrefixStore("default_pg", store), rank=0, world_size=world)
 
 
 def rank_env(of_rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict[str, str]:
-    """The launcher environment (:data:`ENV_KEYS`) of rank ``of_rank`` of a one-machine group started by
-    :func:`host`."""
+    """The launcher environment (:data:`ENV_KEYS`) of rank ``of_rank`` of a one-machine group whose store
+    :func:`open_store` serves on ``port``."""
     return {"RANK": str(of_rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(of_rank),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
 
