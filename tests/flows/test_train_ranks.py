@@ -4,13 +4,16 @@ DeepSpeed stage: the same final weights, exactly one MLflow run, every group onc
 history; a run checkpointed by 2 processes resumes in 1 and ends where an unbroken run ends.
 
 ZeRO-2 runs by default (about 70 s for the module on 2 cores); stages 0 and 3 (rollouts on every rank: ZeRO-3
-gathers each layer from all ranks as it runs) and the 1 -> 2 resume only with the slow tests.
+gathers each layer from all ranks as it runs), the 1 -> 2 resume and a torchrun launch only with the slow tests.
 Run: ``python -m pytest tests/flows/test_train_ranks.py -q`` (``-m slow`` for the others).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -18,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
 from safetensors.torch import load_file
 
 from flows import ranks
@@ -127,6 +131,30 @@ def test_a_one_process_checkpoint_resumes_in_two_processes(runs) -> None:
                                                             "trainer.iterations=1"])
     resumed = train(experiment=SMOKE, resume="broken-1", overrides=[f"trainer.iterations={ITERATIONS}"], nproc=2)
     assert _max_diff(_weights(resumed.run_dir), _weights(one.run_dir)) <= ATOL
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_cli_with_rank_0_in_the_flow(runs) -> None:
+    # the external launcher: every rank runs `python -m flows.cli train ...`; rank 0 the flow, rank 1 follows it
+    stage, _, one, _ = runs
+    if stage != 2:
+        pytest.skip("one stage is enough for the launcher")
+    with get_client(sync_client=True) as client:  # report to this session's Prefect server, start none
+        api = str(client.api_url).rstrip("/")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "-m", "flows.cli", "train", SMOKE, "--run-name", "torchrun",
+           *[a for o in [*_ds(stage), "tracking.backend=none"] for a in ("--set", o)]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PREFECT_API_URL": api, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = Path(os.environ["RAGEN_DATA_DIR"]) / "runs" / "torchrun"
+    assert _max_diff(_weights(str(run_dir)), _weights(one.run_dir)) <= ATOL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_a_rank_that_dies_fails_the_run_and_names_it(monkeypatch) -> None:
