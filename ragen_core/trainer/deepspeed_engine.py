@@ -6,9 +6,11 @@
 
 Several processes (data parallel, one replica of the models each)::
 
+    ragen train EXP --set trainer.backend=deepspeed --nproc 2          # a whole run (flows/ranks.py)
     torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 my_script.py
 
-Each process builds the same state and calls ``update`` on the same full batch;
+Each process builds the same state and calls ``update`` on the same full batch (in a run, the session
+gathers every rank's rollouts first: ragen_core/session.py);
 ``update`` gives every rank its share of each mini-batch's rows (see
 :func:`ragen_core.trainer.update.rank_micro_rows`) and DeepSpeed averages the
 gradients. On a machine without CUDA, DeepSpeed runs on its CPU accelerator
