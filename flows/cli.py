@@ -76,14 +76,47 @@ def train(
     set_: SetOpt = None,
     resume: Annotated[str | None, typer.Option(help="run name or run directory to continue")] = None,
     run_name: Annotated[str | None, typer.Option(help="name of the new run (default: <name>-<time>)")] = None,
+    nproc: Annotated[int, typer.Option(min=1, help="data-parallel processes on this machine (trainer.backend="
+                                                   "deepspeed); this one is rank 0. Under torchrun leave it out")] = 1,
 ) -> None:
-    """Train: rollout -> filter -> update -> evaluate, every iteration tracked in MLflow."""
-    _load(experiment, set_)  # validate first: a bad config, run name or run to resume writes nothing
+    """Train: rollout -> filter -> update -> evaluate, every iteration tracked in MLflow.
+
+    Under torchrun (``torchrun --nproc_per_node N -m flows.cli train ...``) rank 0 runs the flow and the
+    other ranks follow it (flows/ranks.py)."""
+    cfg = _load(experiment, set_)  # validate first: a bad config, run name or run to resume writes nothing
     _check_run(resume, run_name, set_)
+    from flows import ranks
+    from ragen_core.session import check_world
+    from ragen_core.trainer.models import resolve_device
+
+    try:
+        check_world(cfg, ranks.planned_world(nproc))
+    except ConfigError as e:
+        _fail(str(e))
+    if not ranks.is_main_of(os.environ):  # torchrun started this process as another rank: follow rank 0
+        ranks.follow(resolve_device(cfg.model.device))
+        return
     from flows.train import train as train_flow
 
-    result = train_flow(experiment=str(experiment), overrides=list(set_ or []), resume=resume, run_name=run_name)
+    try:
+        result = train_flow(experiment=str(experiment), overrides=list(set_ or []), resume=resume, run_name=run_name,
+                            nproc=nproc)
+    except ConfigError as e:  # found once the run's saved config is read (a resume) or a sweep trial
+        _fail(str(e))
     console.print(result.summary if hasattr(result, "summary") else result)
+
+
+@app.command("train-rank", hidden=True)
+def train_rank(
+    device: Annotated[str, typer.Option(help="where the models live: cpu or cuda (rank 0's)")] = "cpu",
+) -> None:
+    """One non-zero rank of `ragen train --nproc N` (started by rank 0 with torchrun's environment): it joins
+    the group, takes rank 0's config and run folder, and runs the same steps without Prefect or MLflow."""
+    import torch
+
+    from flows.ranks import follow
+
+    follow(torch.device(device))
 
 
 @app.command("eval")

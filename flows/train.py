@@ -6,6 +6,10 @@
 Runs in Prefect's ephemeral mode with nothing to start; with PREFECT_API_URL set it reports
 to that server. Every run is one MLflow run (a resumed run continues it). The same flow is
 the `ragen-train` deployment of prefect.yaml and the body of every sweep trial.
+
+Several processes (``nproc`` > 1, or under torchrun; trainer.backend deepspeed): this flow is rank 0, the
+only one that logs and writes; flows/ranks.py starts (or joins) the others, which run the same steps
+without Prefect (ragen_core/session.py says how the steps share the work).
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
+from flows import ranks
 from flows._ui import Reporter, RunArtifacts
 from ragen_core import session
-from ragen_core.config import check_run_name, load_experiment
+from ragen_core.config import ConfigError, ExperimentConfig, check_run_name, load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import open_logger, tracking_uri
+from ragen_core.trainer.models import resolve_device
 from tasks import train_steps as steps
 
 
@@ -32,11 +38,14 @@ def train(
     parent_run_id: str | None = None,
     tags: dict[str, str] | None = None,
     trial: dict[str, Any] | None = None,
+    nproc: int = 1,
 ) -> session.TrainResult:
     """Train one experiment; ``resume`` continues a run (its saved config plus ``overrides``).
 
     ``parent_run_id``/``tags``/``trial`` are set by sweeps: a nested MLflow run, and an Optuna
-    trial to report validation success to (and be pruned by).
+    trial to report validation success to (and be pruned by). ``nproc`` > 1: data-parallel
+    processes on this machine, this one rank 0 (flows/ranks.py; ignored under torchrun, which
+    says how many).
     """
     overrides = list(overrides or [])
     if run_name is not None:
@@ -46,6 +55,18 @@ def train(
     else:
         cfg = load_experiment(experiment, overrides)
         folder = RunDir.named(run_name or session.new_run_name(cfg))
+    size = ranks.planned_world(nproc)
+    session.check_world(cfg, size)
+    if trial and size > 1:
+        raise ConfigError("a sweep trial reports to Optuna from one process: run sweeps with nproc 1")
+    with ranks.world(nproc, resolve_device(cfg.model.device)):  # rank 0 (starting or joining the others), or alone
+        cfg, folder = session.agree_run(cfg, folder)  # the other ranks take this run's config and folder
+        return _train(cfg, folder, parent_run_id, tags, trial)
+
+
+def _train(cfg: ExperimentConfig, folder: RunDir, parent_run_id: str | None, tags: dict[str, str] | None,
+           trial: dict[str, Any] | None) -> session.TrainResult:
+    """The run itself, in this process (rank 0 of several, or alone)."""
     folder.create()
     ui_url = flow_run.ui_url  # the flow run's page in the Prefect UI, as a tag of the MLflow run
     logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id,

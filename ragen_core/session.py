@@ -12,6 +12,21 @@ Each step is its own function (evaluate_policy, collect_rollouts, diagnose, toke
 record_iteration, save_run_checkpoint, record_final_eval) so the flow can make each a task. Nothing here imports
 Prefect or MLflow: the metric logger is passed in (STYLE.md rule 7). Where a run keeps its files (config,
 history, checkpoints, shards) is :class:`ragen_core.store.run_dir.RunDir`'s business (``sess.folder``).
+
+Several processes (``torchrun`` or ``ragen train --nproc N``; trainer.backend deepspeed) run the same steps in
+the same order, each with its own Session, and end where one process ends (:mod:`ragen_core.distributed`):
+
+- rollouts and evaluations: each rank plays its share of the prompt groups (the episodes keep their global
+  group index, hence their sampling streams) and the ranks gather the trajectories in group order, so every
+  rank holds the one-process RolloutBatch; under ZeRO-3 every rank plays them all instead (the partitioned
+  actor gathers each layer from all ranks as it runs: the ranks must make the same forwards);
+- diagnose, filter and update run on every rank on that same full batch (the DeepSpeed engine gives each rank
+  its rows of every mini-batch and sums the gradients), so the kept groups and the weights are one process's;
+- rank 0 alone (``sess.main``) writes the folder, config, history, shards, checkpoints and final model and
+  logs (the others get a NullLogger); every rank still enters the collectives inside those steps (ZeRO
+  gathers), and a stop is rank 0's decision, broadcast, so all ranks stop together.
+
+Rank 0 runs the flow; the others run :func:`follow_main` (the same steps as ``run_to_end``).
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ragen_core import distributed
 from ragen_core.algos.collapse import MI_ZSCORE_EPS
 from ragen_core.config import ConfigError, ExperimentConfig, load_experiment, to_dict
 from ragen_core.models import causal_lm, load_model, load_tokenizer
@@ -37,7 +53,14 @@ from ragen_core.rollout.generators import Generator, make_generator
 from ragen_core.rollout.loop import run_rollouts
 from ragen_core.rollout.metrics import rollout_metrics
 from ragen_core.store.run_dir import RunDir
-from ragen_core.tracking import CollapseMonitor, EarlyStopRules, MetricLogger, plot_curves, trajectories_text
+from ragen_core.tracking import (
+    CollapseMonitor,
+    EarlyStopRules,
+    MetricLogger,
+    NullLogger,
+    plot_curves,
+    trajectories_text,
+)
 from ragen_core.tracking.early_stop import HEALTH_STOP
 from ragen_core.tracking.viewer import html_for_iteration
 from ragen_core.trainer import (
@@ -53,7 +76,7 @@ from ragen_core.trainer.warmup import warmup_facts, warmup_model
 
 # RolloutBatch and Selection moved to ragen_core.types (hand-offs between parts); imported here, they stay
 # importable as ragen_core.session.RolloutBatch / .Selection for older callers (tasks/train_steps.py).
-from ragen_core.types import RolloutBatch, Selection, UpdateStats
+from ragen_core.types import RolloutBatch, Selection, Trajectory, UpdateStats
 
 if TYPE_CHECKING:  # transformers only for the annotation: ragen_core.models loads it when a model is loaded
     from transformers import PreTrainedTokenizerBase
@@ -101,6 +124,8 @@ class Session:
     """Where the one-line messages go (print by default)."""
     progress: Callable[[str, int, int], None] | None
     """(step name, done, total) progress callback of rollouts and evaluations; None: silent."""
+    main: bool
+    """This process writes the run's files and logs: rank 0 of a multi-process run (module docstring), or alone."""
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, tokenizer: PreTrainedTokenizerBase, state: TrainState,
                  generator: Generator, logger: MetricLogger, monitor: CollapseMonitor, model_max_length: int | None,
@@ -122,6 +147,7 @@ class Session:
         self.stop_reason = None
         self.say = say
         self.progress = progress
+        self.main = distributed.is_main()
 
     @property
     def iteration(self) -> int:
@@ -153,6 +179,26 @@ def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, Run
     return load_experiment(folder.config_path, overrides), folder
 
 
+def check_world(cfg: ExperimentConfig, world: int) -> None:
+    """ConfigError unless ``cfg`` can train in ``world`` processes: more than one needs the DeepSpeed engine
+    (the torch engine would train a separate copy in every process)."""
+    if world > 1 and cfg.trainer.backend != "deepspeed":
+        raise ConfigError(f"{world} processes need trainer.backend=deepspeed (data parallel, ZeRO 0-3); "
+                          f"trainer.backend is {cfg.trainer.backend}")
+
+
+def agree_run(cfg: ExperimentConfig | None, folder: RunDir | None) -> tuple[ExperimentConfig, RunDir]:
+    """Rank 0's config and run folder on every rank (a collective; the other ranks pass None).
+
+    Rank 0 names a new run (the name holds the time, which the ranks need not agree on) and reads a resumed
+    run's config once; one process gets its own arguments back.
+    """
+    cfg, folder = distributed.broadcast((cfg, folder))
+    if cfg is None or folder is None:
+        raise ValueError("rank 0 has no run to share: pass its config and folder")
+    return cfg, folder
+
+
 def base_model_spec(cfg: ExperimentConfig, say: Callable[[str], None] = print) -> str:
     """The model a run starts from: the configured one, or its cached format-warmed copy (one line says which)."""
     if cfg.model.warmup == "none":
@@ -174,16 +220,21 @@ def open_session(
 ) -> Session:
     """Build (or, when ``run_dir`` holds a checkpoint, restore) everything a run needs.
 
-    Without ``run_dir`` the run gets a new folder named after the experiment and the time.
+    Without ``run_dir`` the run gets a new folder named after the experiment and the time (several processes:
+    pass rank 0's, see :func:`agree_run`). Every rank reads the checkpoint; rank 0 alone writes the folder.
     """
+    check_world(cfg, distributed.world_size())
     folder = RunDir.named(new_run_name(cfg)) if run_dir is None else RunDir(Path(run_dir))
-    folder.create()
-    model_spec = base_model_spec(cfg, say)
+    if distributed.is_main():
+        folder.create()
+    with distributed.main_first():  # rank 0 builds a missing format-warmed model, the others then load it
+        model_spec = base_model_spec(cfg, say)
     if model_spec != cfg.model.name:  # the warm-up's facts (method, steps, validity before -> after) as params
         logger.log_params({f"warmup.{k}": v for k, v in warmup_facts(Path(model_spec)).items()})
     # A warmed copy is passed as the starting weights, so checkpoints keep the configured model name.
     base = load_model(model_spec) if model_spec != cfg.model.name else None
-    ckpt = folder.latest_checkpoint()
+    with distributed.main_first():  # rank 0 repairs what a kill left in checkpoints/ before the others look
+        ckpt = folder.latest_checkpoint()
     state = load_checkpoint(ckpt, cfg, base) if ckpt else init_state(cfg, base)
     h = cfg.health
     monitor = CollapseMonitor(h.baseline_iters, h.std_drop, h.entropy_drop, h.grad_z, h.patience,
@@ -198,14 +249,17 @@ def open_session(
         collapse_ema = {str(k): float(v) for k, v in saved.get("collapse_ema", {}).items()}
     else:
         collapse_ema = {}
-    history = folder.supersede_history(state.iteration)  # the iterations after the checkpoint are redone
+    with distributed.main_first():  # the iterations after the checkpoint are redone: rank 0 sets their rows aside
+        history = (folder.supersede_history(state.iteration) if distributed.is_main()
+                   else [r for r in folder.read_history() if int(r.get("iteration", 0)) < state.iteration])
     tokenizer = load_tokenizer(model_spec)
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
     with state.full_weights():  # a vLLM generator starts from a saved copy of the actor
         generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
                                    **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
                                       if cfg.rollout.backend == "hf" else {}))
-    folder.write_config(to_dict(cfg))
+    if distributed.is_main():
+        folder.write_config(to_dict(cfg))
     sess = Session(cfg, folder.path, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,
                    progress)
     sess.collapse_ema = collapse_ema
@@ -222,18 +276,37 @@ def collect_rollouts(sess: Session) -> RolloutBatch:
     seeds = train_seeds(state.env_seed_counter, n_groups)
     before = dict(sess.generator.stats)
     started = time.perf_counter()
-    trajs = run_rollouts(cfg.env, sess.generator, sess.tokenizer, cfg.rollout, seeds,
-                         cfg.rollout.responses_per_prompt, group_offset=0,
-                         sampling_seed=cfg.trainer.seed * 1_000_003 + state.iteration,
-                         model_max_length=sess.model_max_length, progress=_progress(sess, "rollout"))
+
+    def play(part: range) -> list[Trajectory]:  # groups part.start.. keep their global index (sampling streams)
+        return run_rollouts(cfg.env, sess.generator, sess.tokenizer, cfg.rollout, seeds[part.start:part.stop],
+                            cfg.rollout.responses_per_prompt, group_offset=part.start,
+                            sampling_seed=cfg.trainer.seed * 1_000_003 + state.iteration,
+                            model_max_length=sess.model_max_length, progress=_progress(sess, "rollout"))
+
+    split = splits_rollouts(sess)
+    trajs = distributed.split_map(n_groups, play, split)  # every rank: all groups, in group order
     seconds = time.perf_counter() - started
     state.env_seed_counter += n_groups
     gen = {k: sess.generator.stats.get(k, 0.0) - before.get(k, 0.0) for k in before}
+    if split:  # each rank generated its share of the tokens
+        gen = distributed.sum_values(gen)
     metrics = rollout_metrics(trajs)
     metrics["timing/rollout_s"] = seconds
     metrics["perf/generated_tokens"] = gen.get("generated_tokens", 0.0)
     metrics["perf/rollout_tokens_per_s"] = gen.get("generated_tokens", 0.0) / max(seconds, 1e-9)
     return RolloutBatch(state.iteration, trajs, metrics)
+
+
+def splits_rollouts(sess: Session) -> bool:
+    """Whether the ranks share out the episodes of rollouts and evaluations (then gather), or each plays them all.
+
+    Shared unless the hf generator samples from a ZeRO-3 actor: each of its layers gathers its weights from
+    every rank as it runs (a collective), so the ranks must make the same forwards; they then play the same
+    episodes with the same seeds and get the same tokens.
+    """
+    cfg = sess.cfg
+    partitioned = cfg.trainer.backend == "deepspeed" and cfg.trainer.zero_stage == 3 and cfg.rollout.backend == "hf"
+    return distributed.world_size() > 1 and not partitioned
 
 
 def train_seeds(counter: int, n: int) -> list[int]:
@@ -319,7 +392,7 @@ def evaluate_policy(sess: Session, seeds: int | None = None) -> dict[str, float]
     result = evaluate(sess.cfg.eval_envs, sess.generator, sess.tokenizer, sess.cfg.rollout,
                       heldout_seeds(seeds or ev.seeds, ev.seed_start), ev.samples, temperature=ev.temperature,
                       sampling_seed=sess.cfg.trainer.seed, model_max_length=sess.model_max_length,
-                      progress=_progress(sess, "evaluate"))
+                      progress=_progress(sess, "evaluate"), split=splits_rollouts(sess))
     return {**result.metrics, "timing/eval_s": time.perf_counter() - started}
 
 
@@ -360,6 +433,19 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
         sess.logger.set_tags({f"health.{rule}": str(step) for rule in rules.fired})
     if rules.stop and sess.stop_reason is None:
         sess.stop_reason = f"{HEALTH_STOP} {rules.reason}"
+    sess.stop_reason = distributed.broadcast(sess.stop_reason)  # rank 0 decides: every rank stops with it
+    row = {"iteration": step, **metrics}
+    sess.history.append(row)
+    if sess.main:
+        _publish_iteration(sess, rollouts, selection, row)
+    sess.say(summary_line(sess, row))
+    return metrics
+
+
+def _publish_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection, row: dict[str, float]) -> None:
+    """Rank 0's part of recording: the shard, the history row, metrics, samples and the shard as artifacts."""
+    step, cfg = rollouts.iteration, sess.cfg
+    metrics = {k: v for k, v in row.items() if k != "iteration"}
     shard = sess.folder.write_shard(step, rollouts.trajectories, selection.kept)
     sess.logger.log_metrics(metrics, step=step)
     every = cfg.tracking.artifact_every
@@ -370,11 +456,7 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
         sess.logger.log_artifact(shard, f"rollouts/iteration={step}")  # the run folder's partition name
         page = html_for_iteration(rollouts.trajectories, selection.kept, sess.name, step)
         sess.logger.log_text(page, f"viewer/iteration={step}.html")  # states, thoughts, actions, rewards, kept
-    row = {"iteration": step, **metrics}
-    sess.history.append(row)
     sess.folder.append_history(row)
-    sess.say(summary_line(sess, row))
-    return metrics
 
 
 def summary_line(sess: Session, m: dict[str, float]) -> str:
@@ -394,21 +476,27 @@ def summary_line(sess: Session, m: dict[str, float]) -> str:
 
 
 def save_run_checkpoint(sess: Session) -> Path:
-    """Atomic checkpoint (models, optimizers, RNGs, counters, monitor); keeps the last few."""
+    """Atomic checkpoint (models, optimizers, RNGs, counters, monitor); keeps the last few.
+
+    Every rank gathers (ZeRO partitions), rank 0 writes.
+    """
     target = sess.folder.checkpoint_path(sess.iteration)
-    save_checkpoint(sess.state, target)
-    (target / "health.json").write_text(json.dumps({"echo": sess.monitor.state_dict(), "rules": sess.rules.state_dict(),
-                                                    "collapse_ema": sess.collapse_ema}))
-    sess.folder.prune_checkpoints(keep=CHECKPOINTS_KEPT)
+    save_checkpoint(sess.state, target, write=sess.main)
+    if sess.main:
+        (target / "health.json").write_text(json.dumps({"echo": sess.monitor.state_dict(),
+                                                        "rules": sess.rules.state_dict(),
+                                                        "collapse_ema": sess.collapse_ema}))
+        sess.folder.prune_checkpoints(keep=CHECKPOINTS_KEPT)
     return target
 
 
 def record_final_eval(sess: Session, val: dict[str, float]) -> None:
     """The evaluation after the last update, logged at step = iterations done."""
     row = {"iteration": sess.iteration, **val}
-    sess.logger.log_metrics(val, step=sess.iteration)
     sess.history.append(row)
-    sess.folder.append_history(row)
+    if sess.main:
+        sess.logger.log_metrics(val, step=sess.iteration)
+        sess.folder.append_history(row)
     sess.say(f"final evaluation after {sess.iteration} iterations | "
              f"val success {val.get('val/success', float('nan')):.2f}")
 
@@ -432,6 +520,18 @@ def run_to_end(sess: Session) -> None:
         run_iteration(sess)
     if final_eval_due(sess):
         record_final_eval(sess, evaluate_policy(sess))
+
+
+def follow_main(say: Callable[[str], None] = lambda line: None) -> TrainResult:
+    """A non-zero rank's whole run, while rank 0 runs the flow (or its own ``run_to_end``): rank 0's config and
+    folder, then every step in the flow's order and ``finish`` (for their collectives), with a NullLogger.
+
+    Quiet by default: rank 0 prints the run's lines. The process group must exist (distributed.join).
+    """
+    cfg, folder = agree_run(None, None)
+    sess = open_session(cfg, NullLogger(record=False), folder, say=say)
+    run_to_end(sess)
+    return finish(sess)
 
 
 def _progress(sess: Session, what: str) -> Callable[[int, int], None] | None:
@@ -469,16 +569,18 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
         (int(r["iteration"]), float(r[f"env/{sess.cfg.env.label}/success"]))
         for r in sess.history if f"env/{sess.cfg.env.label}/success" in r]
     metrics = [k for k, v in series.items() if v]
-    if metrics:
+    if metrics and sess.main:
         png = plot_curves({sess.name: series}, metrics, sess.folder.curves_png, title=sess.name)
         sess.logger.log_artifact(Path(png), "plots")
     if log_model:
         final = sess.folder.final_model
-        shutil.rmtree(final, ignore_errors=True)
-        with sess.state.full_weights():
-            causal_lm(sess.state.models.actor).save_pretrained(final)
-        sess.tokenizer.save_pretrained(final)
-        sess.logger.log_artifact(final, "model")
+        with sess.state.full_weights():  # every rank gathers (ZeRO-3), rank 0 writes
+            if sess.main:
+                shutil.rmtree(final, ignore_errors=True)
+                causal_lm(sess.state.models.actor).save_pretrained(final)
+        if sess.main:
+            sess.tokenizer.save_pretrained(final)
+            sess.logger.log_artifact(final, "model")
     vals = [r["val/success"] for r in sess.history if "val/success" in r]
     first, last = (vals[0], vals[-1]) if vals else (None, None)
     close = getattr(sess.generator, "close", None)  # a vLLM engine holds its KV cache until shut down

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ragen_core import distributed
 from ragen_core.rollout.loop import Progress, run_rollouts
 from ragen_core.rollout.metrics import pass_at_n
 from ragen_core.rollout.prompts import make_renderer
@@ -65,15 +66,24 @@ def evaluate(
     model_max_length: int | None = None,
     prefix: str = "val",
     progress: Progress | None = None,
+    split: bool = False,
 ) -> EvalResult:
-    """Roll out every env on ``seeds`` with ``n_per_seed`` samples each and summarise per env tag."""
+    """Roll out every env on ``seeds`` with ``n_per_seed`` samples each and summarise per env tag.
+
+    ``split``: in a multi-process run, this process plays only its share of the seeds and the processes gather
+    the rest (every one must call; :func:`ragen_core.distributed.split_map`); the result is the one-process one.
+    """
     renderer = make_renderer(tokenizer, rollout_cfg)
     metrics: dict[str, float] = {}
     trajectories: list[Trajectory] = []
     for env_cfg in env_cfgs:
-        trajs = run_rollouts(env_cfg, generator, tokenizer, rollout_cfg, seeds, n_per_seed, temperature,
-                             sampling_seed=sampling_seed, model_max_length=model_max_length,
-                             renderer=renderer, progress=progress)
+
+        def play(part: range, env_cfg: EnvConfig = env_cfg) -> list[Trajectory]:  # seeds keep their global index
+            return run_rollouts(env_cfg, generator, tokenizer, rollout_cfg, seeds[part.start:part.stop], n_per_seed,
+                                temperature, group_offset=part.start, sampling_seed=sampling_seed,
+                                model_max_length=model_max_length, renderer=renderer, progress=progress)
+
+        trajs = distributed.split_map(len(seeds), play, split)
         tag = env_cfg.label
         metrics[f"{prefix}/{tag}/success"] = sum(t.success for t in trajs) / len(trajs)
         metrics[f"{prefix}/{tag}/return"] = sum(t.env_return for t in trajs) / len(trajs)

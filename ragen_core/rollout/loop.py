@@ -134,7 +134,10 @@ def run_rollouts(
 
     ``temperature`` defaults to ``rollout_cfg.temperature``; ``group_id`` of seed i is
     ``group_offset + i``; ``sampling_seed`` makes sampling reproducible (per-turn seeds are derived
-    from it, so give each iteration its own, e.g. ``trainer.seed * 100_003 + iteration``);
+    from it, so give each iteration its own, e.g. ``trainer.seed * 100_003 + iteration``). Episode
+    (group g, member m) samples from its own stream ``group_id · n_per_group + m`` of the turn's seed
+    (``SamplingParams.streams``), so a call on groups ``a..b`` with ``group_offset=a`` plays them exactly
+    as a call on all groups does (how a multi-process run splits its rollouts);
     ``model_max_length`` (``model.config.max_position_embeddings``) feeds :func:`context_limit`.
     """
     if n_per_group < 1:
@@ -160,7 +163,8 @@ def run_rollouts(
             if rows:
                 params = SamplingParams(temperature=temp, top_p=rollout_cfg.top_p,
                                         max_new_tokens=rollout_cfg.max_new_tokens,
-                                        stop_token_ids=renderer.stop_token_ids, seed=_turn_seed(sampling_seed, turn))
+                                        stop_token_ids=renderer.stop_token_ids, seed=_turn_seed(sampling_seed, turn),
+                                        streams=tuple(ep.group_id * n_per_group + ep.member for ep, _ in rows))
                 gens = generator.generate([ctx.input_ids for _, ctx in rows], params,
                                           session_ids=[ep.session for ep, _ in rows])
                 for (ep, _), gen in zip(rows, gens, strict=True):

@@ -18,6 +18,10 @@ The files are written into a temporary sibling directory that is renamed into
 place (``os.replace``), so a crash never leaves a half-written checkpoint under
 the final name. Everything is loaded with ``torch.load(weights_only=True)``.
 
+A checkpoint holds whole tensors whatever the world size and ZeRO stage it was saved under (the engines
+gather their partitions), so a run saved by N processes resumes under M. Every rank of a multi-process run
+calls both functions; rank 0 alone writes, every rank reads (a shared ``$RAGEN_DATA_DIR``).
+
 Run the tests with ``python -m pytest tests/unit/trainer -q``.
 """
 
@@ -35,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ragen_core import distributed
 from ragen_core.config import ExperimentConfig, to_dict
 from ragen_core.trainer.state import TrainState, init_state
 
@@ -116,24 +121,30 @@ def _model_facts(cfg: ExperimentConfig) -> dict[str, Any]:
     return {"lora_rank": cfg.model.lora_rank, "lora_target": cfg.model.lora_target, "critic": cfg.algorithm.critic}
 
 
-def save_checkpoint(state: TrainState, directory: str | os.PathLike[str]) -> Path:
-    """Write ``state`` (and the global RNG states) to ``directory`` atomically; returns the directory."""
+def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], write: bool | None = None) -> Path:
+    """Write ``state`` (and the global RNG states) to ``directory`` atomically; returns the directory.
+
+    In a multi-process run every rank calls it (gathering ZeRO partitions is a collective) and only the one
+    that writes (``write``; default: rank 0) touches the disk: the ranks hold the same state.
+    """
     target = Path(directory)
+    m = state.models
+    with state.full_weights():
+        actor = _trainable_tensors(("actor", m.actor), ("value_head", m.value_head))
+        critic = _trainable_tensors(("critic", m.critic)) if m.critic is not None else None
+    engines = {"actor": state.actor_engine.state_dict()}
+    if state.critic_engine is not None:
+        engines["critic"] = state.critic_engine.state_dict()
+    if not (distributed.is_main() if write is None else write):
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        m = state.models
-        with state.full_weights():
-            actor = _trainable_tensors(("actor", m.actor), ("value_head", m.value_head))
-            critic = _trainable_tensors(("critic", m.critic)) if m.critic is not None else None
         save_file(actor, tmp / "actor.safetensors")
         if critic is not None:
             save_file(critic, tmp / "critic.safetensors")
-        engines = {"actor": state.actor_engine.state_dict()}
-        if state.critic_engine is not None:
-            engines["critic"] = state.critic_engine.state_dict()
         torch.save(engines, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         meta = {"format": CHECKPOINT_FORMAT, "iteration": state.iteration, "env_seed_counter": state.env_seed_counter,

@@ -6,9 +6,11 @@
 
 Several processes (data parallel, one replica of the models each)::
 
+    ragen train EXP --set trainer.backend=deepspeed --nproc 2          # a whole run (flows/ranks.py)
     torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 my_script.py
 
-Each process builds the same state and calls ``update`` on the same full batch;
+Each process builds the same state and calls ``update`` on the same full batch (in a run, the session
+gathers every rank's rollouts first: ragen_core/session.py);
 ``update`` gives every rank its share of each mini-batch's rows (see
 :func:`ragen_core.trainer.update.rank_micro_rows`) and DeepSpeed averages the
 gradients. On a machine without CUDA, DeepSpeed runs on its CPU accelerator
@@ -67,6 +69,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ragen_core import distributed
 from ragen_core.config import ConfigError, ExperimentConfig
 from ragen_core.trainer.engine import learning_rates, trainable_parameters
 from ragen_core.trainer.models import PolicyModels
@@ -91,8 +94,8 @@ def init_distributed(device: torch.device) -> None:
     Picks DeepSpeed's CPU accelerator for CPU modules (it must be chosen before
     deepspeed first looks for one), then starts the torch process group if no one
     has: from torchrun's environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``…) when
-    present, else a one-process group on an in-memory store (no port opened) and
-    ``LOCAL_RANK=0``, which DeepSpeed requires.
+    present (:func:`ragen_core.distributed.join`), else a one-process group on an
+    in-memory store (no port opened) and ``LOCAL_RANK=0``, which DeepSpeed requires.
     Raises ConfigError when deepspeed is missing or already runs on another device type.
     """
     if device.type == "cpu":
@@ -109,13 +112,52 @@ def init_distributed(device: torch.device) -> None:
         raise ConfigError(f"trainer.backend: deepspeed runs on {accelerator!r} in this process but the models are on "
                           f"{device.type!r}; set model.device to match (or DS_ACCELERATOR before starting)")
     if not torch.distributed.is_initialized():
-        backend = "gloo" if device.type == "cpu" else "nccl"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or another launcher) set the group up
-            torch.distributed.init_process_group(backend, init_method="env://")
+        if distributed.launched():  # torchrun (or `ragen train --nproc`) named this rank and its world
+            distributed.join(device)
         else:
+            backend = "gloo" if device.type == "cpu" else "nccl"
             torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
             os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it (launchers set it)
+    _forget_stale_world_clone()
     deepspeed.init_distributed(verbose=False)  # wraps the existing group
+
+
+_cloned_from: list[object] = []
+"""The default process group DeepSpeed's cached world clone was made from (see below)."""
+
+
+def _forget_stale_world_clone() -> None:
+    """DeepSpeed clones the world group once per process (``deepspeed.utils.groups._WORLD_GROUP``) and uses the
+    clone as every engine's data-parallel group. When a process runs one world after another (a one-process run,
+    then rank 0 of ``ragen train --nproc 2``: the group is destroyed and a new one made), the clone would still be
+    the old, destroyed group: drop it so the next engine clones the current one."""
+    from deepspeed.utils import groups  # lazily: deepspeed is the optional [gpu] extra and slow to import
+
+    world = torch.distributed.group.WORLD
+    if _cloned_from and _cloned_from[0] is not world:
+        groups._WORLD_GROUP = None
+    _cloned_from[:] = [world]
+
+
+def _align_zero3_numbers() -> None:
+    """Give this engine's modules and parameters the same ZeRO-3 numbers on every rank.
+
+    ZeRO-3 numbers modules and parameters (``ds_id``) with process-wide counters and, when it records a
+    forward's trace, checks that the ranks' numbers agree. A rank 0 that built ZeRO-3 engines before (an
+    earlier run in the same process: tests, a long-lived worker) counts on from there while freshly started
+    ranks count from 0, and the first update fails with "Detected a disagreement on list contents". Every rank
+    continues from the highest count instead (a collective; the numbers stay unique within each process).
+    """
+    if distributed.world_size() == 1:
+        return
+    # lazily: deepspeed is the optional [gpu] extra and slow to import
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]  # its `count=[0]` default
+    counts = distributed.all_gather((module_count[0], Init.param_id))
+    module_count[0] = max(m for m, _ in counts)
+    Init.param_id = max(p for _, p in counts)
 
 
 class DeepSpeedEngine:
@@ -155,6 +197,8 @@ class DeepSpeedEngine:
             "steps_per_print": extra.get("steps_per_print", 2**62),
             "wall_clock_breakdown": extra.get("wall_clock_breakdown", False),
         }
+        if zero_stage == 3:
+            _align_zero3_numbers()
         self.engine, self.zero_optimizer, _, _ = deepspeed.initialize(
             model=_Modules(modules), optimizer=self.optimizer, config=config)
         self.world_size = int(torch.distributed.get_world_size())
@@ -259,11 +303,34 @@ class DeepSpeedEngine:
                 lazy_init_hp_params_optimizer_state(zero.bit16_groups[g], zero.single_partition_of_fp32_groups[g],
                                                     self.optimizer.state)
             # then fill them parameter by parameter (ZeRO-3 finds each parameter's slice itself)
+            padded = self.zero_stage == 3 and self.world_size > 1
             for p, s in zip(group, per_param, strict=True):
                 if s is not None:
                     for k in _ADAM_KEYS:
-                        safe_set_full_optimizer_state(p, s[k].to(flats[0].device, flats[0].dtype), k)
+                        value = s[k].to(flats[0].device, flats[0].dtype)
+                        if padded:
+                            self._set_zero3_state(p, value, k)
+                        else:
+                            safe_set_full_optimizer_state(p, value, k)
         zero.refresh_fp32_params()  # ZeRO steps its own fp32 copy of the weights: take the loaded ones
+
+    def _set_zero3_state(self, param: nn.Parameter, value: torch.Tensor, key: str) -> None:
+        """ZeRO-3 with W > 1: this rank's slice of one parameter's whole optimizer state ``value``.
+
+        DeepSpeed's ``set_full_hp_param`` cuts rank r's slice ``[r·n, (r+1)·n)`` of the whole tensor without the
+        padding ZeRO-3 adds when a parameter's size is not a multiple of W, and fails on the last rank (a
+        one-element bias, or most odd sizes; a checkpoint saved by fewer processes then cannot be resumed). The
+        slice here is cut to what exists and the padding left at zero.
+        """
+        zero = self.zero_optimizer
+        part, group = zero._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+        n = part.numel()
+        start = n * zero._get_param_partition_rank(param)
+        piece = value.flatten()[start:start + n]
+        part.data.zero_()
+        part.data[: piece.numel()].copy_(piece)
+        if zero._swappable_optimizer_subgroup(group):  # NVMe offload: write the state back out, as DeepSpeed does
+            zero._optimizer_states_and_gradient_swap_out(group)
 
     def _flats(self, group: int) -> list[torch.Tensor]:
         """ZeRO's flat fp32 partitions that AdamW steps for one parameter group (ZeRO 1/2: one; ZeRO-3: one per

@@ -30,9 +30,10 @@ Steps (the math is ``ragen_core.algos``; this module only orchestrates):
    DeepSpeed under torchrun): every process gets the same full batch and does
    steps 1-2 on all of it; in step 3 it trains only its share of each
    mini-batch's rows (:func:`rank_micro_rows`), still normalised by the whole
-   mini-batch's count, and the engine sums the ranks' gradients. The metrics
-   other than grad norms then describe this rank's rows only (losses are its
-   share of the sum). With the torch engine (W = 1) nothing changes.
+   mini-batch's count, and the engine sums the ranks' gradients. At the end the
+   ranks add up their metric sums (token-weighted stats, per-step losses), so
+   every rank reports the whole batch's metrics, as one process would (the health
+   monitor reads them). With the torch engine (W = 1) nothing changes.
 
 The update mutates ``state.models`` and the engines' optimizers in place (it
 is a training step); it never modifies ``batch``.
@@ -48,6 +49,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ragen_core import distributed
 from ragen_core.algos import advantages as adv_fns
 from ragen_core.algos import losses
 from ragen_core.algos.masked import masked_mean, masked_var, masked_whiten
@@ -207,6 +209,23 @@ class _Meter:
     def means(self) -> dict[str, float]:
         return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
+    def add_up_ranks(self) -> None:
+        """Data parallel: every rank's sums, weights and per-step losses added up (a collective), so the means
+        describe the whole batch on every rank. Grad norms are already the global ones: left as they are."""
+        parts = distributed.all_gather((dict(self.sums), dict(self.weights),
+                                        {k: v for k, v in self.steps.items() if not k.endswith("grad_norm")}))
+        self.sums, self.weights = defaultdict(float), defaultdict(float)
+        losses_by_step: dict[str, list[float]] = {}
+        for sums, weights, steps in parts:
+            for k, v in sums.items():
+                self.sums[k] += v
+            for k, v in weights.items():
+                self.weights[k] += v
+            for k, values in steps.items():
+                total = losses_by_step.setdefault(k, [0.0] * len(values))
+                losses_by_step[k] = [a + b for a, b in zip(total, values, strict=True)]
+        self.steps.update(losses_by_step)
+
 
 def update(
     state: TrainState, batch: TokenBatch, cfg: ExperimentConfig, think_tokens: Sequence[float] | None = None,
@@ -238,6 +257,8 @@ def update(
             _mini_batch_step(state, batch, mb_rows, advantages, returns if train_critic else None,
                              old_values, ref_logprobs, cfg, meter)
             steps += 1
+    if state.actor_engine.data_parallel[1] > 1:
+        meter.add_up_ranks()
 
     seconds = time.perf_counter() - started
     metrics = meter.means()

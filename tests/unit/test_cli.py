@@ -67,3 +67,26 @@ def test_config_show_prints_the_resolved_config_with_docs_and_loads_back(tmp_pat
     assert load_experiment(saved) == load_experiment("experiments/smoke.yaml", ["trainer.iterations=5"])
     bad = runner.invoke(app, ["config", "show", "experiments/smoke.yaml", "--set", "trainer.iterationz=5"])
     assert bad.exit_code == 2 and "iterationz" in bad.output
+
+
+def test_nproc_without_deepspeed_exits_2_and_writes_nothing(tmp_path, monkeypatch) -> None:
+    # several processes with the torch engine would each train their own copy: refused before any is started
+    data = tmp_path / "data"
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(data))
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    smoke = Path(__file__).resolve().parents[2] / "experiments" / "smoke.yaml"
+    res = runner.invoke(app, ["train", str(smoke), "--nproc", "2"])
+    assert res.exit_code == 2
+    assert "2 processes need trainer.backend=deepspeed" in " ".join(res.output.split())
+    assert not data.exists()
+
+
+def test_nproc_under_torchrun_must_match_its_world(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    smoke = Path(__file__).resolve().parents[2] / "experiments" / "smoke.yaml"
+    res = runner.invoke(app, ["train", str(smoke), "--set", "trainer.backend=deepspeed", "--nproc", "3"])
+    assert res.exit_code == 2 and "torchrun" in res.output
+    assert not (tmp_path / "data").exists()

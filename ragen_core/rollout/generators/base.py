@@ -43,7 +43,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """A row stops right after sampling one of these; the stop token is included in ``token_ids``."""
     seed: int | None = None
-    """When set, sampling is reproducible: row ``i`` draws from its own stream seeded by ``(seed, i)``."""
+    """When set, sampling is reproducible: row ``i`` draws from its own stream seeded by ``(seed, streams[i])``."""
+    streams: tuple[int, ...] | None = None
+    """The stream of each row (one per prompt; default: the row's index). The rollout loop passes each episode's
+    global index, so an episode samples the same tokens whichever other episodes share the call: the ones still
+    live, or only this process's share of the groups in a multi-process run."""
+
+    def stream(self, row: int) -> int:
+        """The random stream of row ``row`` (its index unless ``streams`` says otherwise)."""
+        return row if self.streams is None else self.streams[row]
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -54,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         # normalise a list (or any iterable) to a tuple so the frozen record stays hashable and immutable
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.streams is not None:
+            object.__setattr__(self, "streams", tuple(int(r) for r in self.streams))
 
 
 @dataclass(frozen=True)

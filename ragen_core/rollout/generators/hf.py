@@ -405,7 +405,7 @@ def _decode(
 ) -> list[Generation]:
     """Sample until every row stopped or reached its limit; ``keep`` gets each slot's cache at the end."""
     n = len(rows)
-    streams = row_generators(params.seed, n)
+    streams = row_generators(params.seed, n, params.streams)
     stop_ids = torch.tensor(params.stop_token_ids or [-1], device=batch.mask.device)  # -1 is never sampled
     limits = [r.limit for r in rows]
     tokens: list[list[int]] = [[] for _ in range(n)]

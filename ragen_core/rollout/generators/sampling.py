@@ -10,6 +10,8 @@ Nothing to run here; ``tests/unit/rollout/test_generators.py`` exercises it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -20,11 +22,18 @@ def row_seed(seed: int, row: int) -> int:
     return int((int(state[0]) << 31) ^ int(state[1])) & 0x7FFFFFFFFFFFFFFF
 
 
-def row_generators(seed: int | None, n_rows: int) -> list[torch.Generator] | None:
-    """One CPU ``torch.Generator`` per row when ``seed`` is set, else None (use the global RNG)."""
+def row_generators(seed: int | None, n_rows: int, streams: Sequence[int] | None = None
+                   ) -> list[torch.Generator] | None:
+    """One CPU ``torch.Generator`` per row when ``seed`` is set, else None (use the global RNG).
+
+    Row ``i`` gets stream ``streams[i]`` (default ``i``): see ``SamplingParams.streams``.
+    """
     if seed is None:
         return None
-    return [torch.Generator().manual_seed(row_seed(seed, i)) for i in range(n_rows)]
+    keys = range(n_rows) if streams is None else streams
+    if len(keys) != n_rows:
+        raise ValueError(f"got {len(keys)} sampling streams for {n_rows} rows")
+    return [torch.Generator().manual_seed(row_seed(seed, k)) for k in keys]
 
 
 def draw_uniforms(

@@ -167,6 +167,8 @@ class VLLMGenerator:
         from vllm.inputs import TokensPrompt
 
         requests, settings = [], []
+        if params.streams is not None and len(params.streams) != len(prompts):
+            raise ValueError(f"got {len(params.streams)} sampling streams for {len(prompts)} prompts")
         for i, prompt in enumerate(prompts):
             ids = [int(t) for t in prompt]
             if not ids:
@@ -262,7 +264,7 @@ class VLLMGenerator:
             # stop only at our stop ids (the model's own eos is not implied), and keep it in token_ids
             ignore_eos=True,
             logprobs=0,  # the sampled token's log-prob only
-            seed=None if params.seed is None else row_seed(params.seed, row),
+            seed=None if params.seed is None else row_seed(params.seed, params.stream(row)),
             detokenize=False,
             skip_special_tokens=False,
         )

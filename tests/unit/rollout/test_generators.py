@@ -369,3 +369,15 @@ def test_gqa_attention_matches_sdpa_on_padded_batch_and_restores_config(tiny):
             got = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     assert model.config._attn_implementation == "sdpa"
     assert torch.allclose(got[mask.bool()], want[mask.bool()], atol=1e-6)
+
+
+def test_streams_name_each_rows_random_stream():
+    # a row's stream is its own key, not its place in the call: the same key gives the same uniforms
+    from ragen_core.rollout.generators.sampling import row_generators
+
+    a = row_generators(3, 2, [7, 9])
+    b = row_generators(3, 1, [9])
+    assert a is not None and b is not None
+    assert torch.rand(4, generator=a[1]).tolist() == torch.rand(4, generator=b[0]).tolist()
+    with pytest.raises(ValueError, match="2 sampling streams for 3 rows"):
+        row_generators(3, 3, [1, 2])

@@ -48,3 +48,22 @@ def test_hf_rollouts_are_reproducible_with_a_sampling_seed() -> None:
     runs = [run_rollouts(EnvConfig(name="Bandit"), make_generator("hf", model, tok), tok, cfg, seeds=[1],
                          n_per_group=3, sampling_seed=5) for _ in range(2)]
     assert [t.turns for t in runs[0]] == [t.turns for t in runs[1]]
+
+
+def test_a_share_of_the_groups_plays_as_in_the_whole_call() -> None:
+    # A multi-process run gives each process some of the groups (group_offset = the first one's index):
+    # each episode samples from its own stream (group id, member), so the pieces equal the whole call.
+    model, tok = tiny_random(0)
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=8)
+    seeds = [3, 4, 5]
+
+    def play(first: int, last: int) -> list:
+        return run_rollouts(EnvConfig(name="Sokoban"), make_generator("hf", model, tok), tok, cfg, seeds[first:last],
+                            n_per_group=2, sampling_seed=9, group_offset=first)
+
+    whole, pieces = play(0, 3), play(0, 1) + play(1, 3)
+    assert [t.group_id for t in pieces] == [t.group_id for t in whole] == [0, 0, 1, 1, 2, 2]
+    assert [[u.response_ids for u in t.turns] for t in pieces] == [[u.response_ids for u in t.turns] for t in whole]
+    for a, b in zip(pieces, whole, strict=True):
+        for u, v in zip(a.turns, b.turns, strict=True):
+            assert u.logprobs == pytest.approx(v.logprobs, abs=1e-4)

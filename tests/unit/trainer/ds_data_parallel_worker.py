@@ -8,8 +8,8 @@ Started by ``test_deepspeed_engine.py`` (not a test itself)::
 (the overrides are ``a.b=c`` config strings, e.g. ZeRO-3's persistence threshold)
 
 Every rank builds the same state and calls ``update`` on the same full batch
-(:func:`batch` below); rank 0 saves the trained weights and the update's grad
-norms to OUT.pt.
+(:func:`batch` below); rank 0 saves the trained weights, the update's grad
+norms and its metrics to OUT.pt.
 """
 
 from __future__ import annotations
@@ -41,7 +41,12 @@ def trained(overrides: list[str]) -> dict[str, object]:
     with state.full_weights():  # ZeRO-3 holds slices of the weights outside it (every rank gathers)
         return {"actor": {k: v.detach().clone() for k, v in state.models.actor.state_dict().items()},
                 "critic": {k: v.detach().clone() for k, v in state.models.critic.state_dict().items()},
-                "grad_norms": [stats.metrics["actor/grad_norm"], stats.metrics["critic/grad_norm"]]}
+                "grad_norms": [stats.metrics["actor/grad_norm"], stats.metrics["critic/grad_norm"]],
+                "metrics": {k: stats.metrics[k] for k in REDUCED}}
+
+
+REDUCED = ("actor/entropy", "actor/pg_loss", "actor/approx_kl", "critic/value_loss", "critic/vf_clipfrac")
+"""Metrics the ranks add up (token-weighted stats, per-step losses): the whole batch's, as in one process."""
 
 
 def main(out: str, stage: str, *overrides: str) -> None:

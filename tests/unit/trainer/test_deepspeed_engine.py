@@ -33,6 +33,7 @@ from ragen_core.trainer.state import TrainState
 from ragen_core.trainer.update import micro_slices, rank_micro_rows
 
 WORKER = Path(__file__).with_name("ds_data_parallel_worker.py")
+ROOT = Path(__file__).resolve().parents[3]
 ATOL, RTOL = 1e-5, 1e-4
 
 
@@ -167,14 +168,17 @@ def test_two_process_update_equals_one_process(tmp_path: Path, stage: int) -> No
     out = tmp_path / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(WORKER), str(out), str(stage), *_ds(stage)[2:]]
+    # PYTHONPATH: the ranks import this checkout's ragen_core, not whichever one the venv installed (a worktree)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(out, weights_only=True)
     want = trained(["trainer.backend=torch"])  # the same update in this one process, the plain torch engine
     for part in ("actor", "critic"):
         _assert_close(got[part], want[part])
     assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=RTOL)  # ×W undone would halve them
+    assert got["metrics"] == pytest.approx(want["metrics"], rel=RTOL, abs=1e-6)  # the whole batch's, not rank 0's
 
 
 def test_zero3_rollouts_see_the_trained_weights_and_leave_them_partitioned() -> None:
