@@ -178,6 +178,8 @@ class RolloutConfig:
     max_context_tokens: int | None = F(None, "context cap for rollouts; None uses the model's limit", ge=16)
     backend: Literal["hf", "vllm"] = F("hf", "generation backend")
     cache_reuse: bool = F(True, "hf backend: keep each episode's KV cache across turns")
+    vllm_gpu_memory: float = F(0.3, "vllm backend on CUDA: share of the GPU's memory its engine may take (the "
+                                    "trainer needs the rest; vLLM's own default, 0.9, leaves it none)", gt=0, le=1)
     system_prompt: str = F(
         "You're a helpful assistant. You always respond by giving your reasoning and then your answer.",
         "system message of every dialogue",

@@ -257,7 +257,8 @@ def open_session(
     with state.full_weights():  # a vLLM generator starts from a saved copy of the actor
         generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
                                    **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
-                                      if cfg.rollout.backend == "hf" else {}))
+                                      if cfg.rollout.backend == "hf"
+                                      else {"gpu_memory_utilization": cfg.rollout.vllm_gpu_memory}))
     if distributed.is_main():
         folder.write_config(to_dict(cfg))
     sess = Session(cfg, folder.path, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,

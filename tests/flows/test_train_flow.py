@@ -134,7 +134,13 @@ def test_the_prefect_ui_shows_progress_logs_artifacts_and_readable_task_names(sm
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
 
     data, result = smoke_run
     run = MlflowClient(_uri(data)).get_run(result.mlflow_run_id)
@@ -144,8 +150,9 @@ def test_the_prefect_ui_shows_progress_logs_artifacts_and_readable_task_names(sm
     async def read() -> tuple[list, list, list]:
         async with get_client() as client:
             keys = ["iterations-smoke-a", "progress-smoke-a", "mlflow-smoke-a", "evaluation-smoke-a"]
-            artifacts = await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+            artifacts = await client.read_artifacts(  # this flow run's (a later test resumes the run)
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys),
+                                               flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
             logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
             tasks = await client.read_task_runs()
             return artifacts, logs, [t.name for t in tasks if t.flow_run_id is not None

@@ -28,6 +28,7 @@ from flows import ranks
 from flows.train import train
 from ragen_core.config import ConfigError
 from ragen_core.store import read_shard
+from ragen_core.store.run_dir import shard_path
 
 pytest.importorskip("deepspeed")
 
@@ -97,7 +98,7 @@ def test_exactly_one_mlflow_run_from_rank_0(runs) -> None:
 def test_every_shard_holds_every_group_once_as_one_process_played_it(runs) -> None:
     _, _, one, two = runs
     for it in range(ITERATIONS):
-        got, want = (read_shard(Path(r.run_dir) / "rollouts" / f"iter={it:04d}" / "part-0.parquet") for r in (two, one))
+        got, want = (read_shard(shard_path(r.run_dir, it)) for r in (two, one))
         assert Counter(got["group_id"]) == dict.fromkeys(range(GROUPS), MEMBERS)
         for key in ("group_id", "seed", "kept", "total_return"):
             assert got[key].tolist() == want[key].tolist(), key

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 DEPLOYMENTS = {  # deployment name -> (entrypoint, flow name)
     "ragen-train": ("flows/train.py:train", "ragen-train"),
+    "ragen-train-multi-gpu": ("flows/train.py:train", "ragen-train"),
     "ragen-evaluate": ("flows/evaluate.py:evaluate", "ragen-evaluate"),
     "ragen-sweep": ("flows/sweep.py:sweep", "ragen-sweep"),
 }
@@ -69,11 +70,14 @@ def test_prefect_yaml_declares_the_three_deployments_on_gpu_pool() -> None:
         assert d["entrypoint"] == entrypoint and (REPO / entrypoint.split(":")[0]).is_file()
         assert d["work_pool"]["name"] == "gpu-pool" and d["work_pool"]["work_queue_name"] == "default"
         env = d["work_pool"]["job_variables"]["env"]
-        assert env["CUDA_VISIBLE_DEVICES"] == "0"
+        nproc = d["parameters"].get("nproc", 1)
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(nproc)))  # one GPU per rank
         assert env["RAGEN_DATA_DIR"] == "{{ $RAGEN_DATA_DIR }}"
         assert env["MLFLOW_TRACKING_URI"] == "{{ $MLFLOW_TRACKING_URI }}"
     assert (REPO / by_name["ragen-train"]["parameters"]["experiment"]).is_file()
     assert (REPO / by_name["ragen-sweep"]["parameters"]["sweep_file"]).is_file()
+    multi = by_name["ragen-train-multi-gpu"]["parameters"]
+    assert multi["nproc"] > 1 and "trainer.backend=deepspeed" in multi["overrides"]
 
 
 def test_deploy_all_worker_runs_train_deployment(prefect_server: PrefectServer, background: Background,

@@ -116,6 +116,7 @@ class VLLMGenerator:
         if dtype is None:
             dtype = "float32" if on_cpu else (_vllm_dtype(module) if module is not None else "auto")
         if on_cpu:
+            engine_kw.pop("gpu_memory_utilization", None)  # the CPU engine sizes its cache by VLLM_CPU_KVCACHE_SPACE
             # vLLM's v1 runner rewinds a seeded row's generator when it drops the token sampled
             # during a partial (chunked) prefill, and a CPU torch.Generator has no offset to rewind:
             # "RuntimeError: CPU Generator does not use offset" killed the engine on a 32-row
