@@ -72,7 +72,7 @@ def _check_run(resume: str | None, run_name: str | None, overrides: list[str] | 
 
 @app.command()
 def train(
-    experiment: Annotated[Path, typer.Argument(help="experiment YAML")],
+    experiment: Annotated[Path | None, typer.Argument(help="experiment YAML (not needed with --resume)")] = None,
     set_: SetOpt = None,
     resume: Annotated[str | None, typer.Option(help="run name or run directory to continue")] = None,
     run_name: Annotated[str | None, typer.Option(help="name of the new run (default: <name>-<time>)")] = None,
@@ -83,8 +83,16 @@ def train(
 
     Under torchrun (``torchrun --nproc_per_node N -m flows.cli train ...``) rank 0 runs the flow and the
     other ranks follow it (flows/ranks.py)."""
-    cfg = _load(experiment, set_)  # validate first: a bad config, run name or run to resume writes nothing
-    _check_run(resume, run_name, set_)
+    if experiment is None and resume is None:
+        _fail("give an experiment file, or --resume RUN to continue a run")
+    _check_run(resume, run_name, set_)  # validate first: a bad config, run name or run to resume writes nothing
+    if resume is not None:  # the run's saved config (plus --set) is what trains; the experiment file is not read
+        from ragen_core.store.run_dir import RunDir
+
+        cfg = _load(RunDir.resumable(resume, "--resume").config_path, set_)
+    else:
+        assert experiment is not None
+        cfg = _load(experiment, set_)
     from flows import ranks
     from ragen_core.session import check_world
     from ragen_core.trainer.models import resolve_device
@@ -99,8 +107,8 @@ def train(
     from flows.train import train as train_flow
 
     try:
-        result = train_flow(experiment=str(experiment), overrides=list(set_ or []), resume=resume, run_name=run_name,
-                            nproc=nproc)
+        result = train_flow(experiment=None if experiment is None else str(experiment), overrides=list(set_ or []),
+                            resume=resume, run_name=run_name, nproc=nproc)
     except ConfigError as e:  # found once the run's saved config is read (a resume) or a sweep trial
         _fail(str(e))
     console.print(result.summary if hasattr(result, "summary") else result)
@@ -191,7 +199,8 @@ def sweep_worker(
 @app.command()
 def compare(
     runs: Annotated[list[str] | None, typer.Argument(help="MLflow run ids or run names")] = None,
-    out: Annotated[Path, typer.Option(help="directory for the table and PNG plots")] = Path("compare-out"),
+    out: Annotated[Path | None, typer.Option(help="directory for the table and PNG plots (default: "
+                                                  "$RAGEN_DATA_DIR/compare/<time>)")] = None,
     tag: Annotated[list[str] | None, typer.Option(help="KEY=VALUE: add every run with this tag (repeatable; "
                                                        "runs must carry all)")] = None,
     parent: Annotated[str | None, typer.Option(help="add every run nested under this run (a study or sweep "
@@ -209,7 +218,12 @@ def compare(
             _fail(f"--tag {item!r}: expected KEY=VALUE")
         tags[key] = value
     from flows.compare import compare as compare_flow
+    from ragen_core.config import data_dir
 
+    if out is None:  # outputs go under the data dir, not into whatever folder the command runs in
+        import time
+
+        out = data_dir() / "compare" / time.strftime("%Y%m%d-%H%M%S")
     try:
         print(compare_flow(runs=list(runs or []), out_dir=str(out), tags=tags or None, parent=parent,
                            group_by=group_by, drop=drop))
@@ -330,9 +344,27 @@ QUIET_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_
 
 
 def main() -> None:
+    """The `ragen` command. A configuration problem exits 2 (the commands check first); an error while running
+    is one line on stderr and exit 1, its traceback only with RAGEN_DEBUG=1; Ctrl-C exits 130."""
     for key, value in QUIET_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    app(prog_name="ragen")
+    try:
+        app(prog_name="ragen")
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted[/]")
+        raise SystemExit(130) from None
+    except ConfigError as e:
+        if os.environ.get("RAGEN_DEBUG"):
+            raise
+        console.print(f"[bold red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
+    except Exception as e:
+        if os.environ.get("RAGEN_DEBUG"):
+            raise
+        message = " ".join(str(e).split())[:1000] or "(no message)"
+        console.print(f"[bold red]error:[/] {type(e).__name__}: {escape(message)} "
+                      "(RAGEN_DEBUG=1 shows the traceback)", highlight=False, soft_wrap=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the entry point guarded

@@ -31,7 +31,7 @@ from tasks import train_steps as steps
 
 @flow(name="ragen-train")
 def train(
-    experiment: str,
+    experiment: str | None = None,
     overrides: list[str] | None = None,
     resume: str | None = None,
     run_name: str | None = None,
@@ -52,6 +52,8 @@ def train(
         check_run_name(run_name, "run_name")  # a deployment parameter too: checked before anything is written
     if resume:
         cfg, folder = session.resume_config(resume, overrides)
+    elif not experiment:
+        raise ConfigError("experiment: give an experiment file, or resume a run")
     else:
         cfg = load_experiment(experiment, overrides)
         folder = RunDir.named(run_name or session.new_run_name(cfg))

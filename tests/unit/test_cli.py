@@ -90,3 +90,26 @@ def test_nproc_under_torchrun_must_match_its_world(tmp_path, monkeypatch) -> Non
     res = runner.invoke(app, ["train", str(smoke), "--set", "trainer.backend=deepspeed", "--nproc", "3"])
     assert res.exit_code == 2 and "torchrun" in res.output
     assert not (tmp_path / "data").exists()
+
+
+def test_resume_needs_no_experiment_file_and_runtime_errors_are_one_line(tmp_path, monkeypatch) -> None:
+    """Issue 19: `ragen train --resume RUN` alone; an unknown run is exit 2; an error while running is one line
+    and exit 1 from the installed command (main), its traceback only with RAGEN_DEBUG=1."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path / "data"))
+    res = runner.invoke(app, ["train", "--resume", "no-such-run"])
+    assert res.exit_code == 2 and "no-such-run" in res.output
+    res = runner.invoke(app, ["train"])
+    assert res.exit_code == 2 and "--resume" in res.output
+    code = ("import flows.cli as c\n"
+            "@c.app.command('boom')\n"
+            "def boom() -> None:\n"
+            "    raise RuntimeError('disk on fire\\nsecond line')\n"
+            "c.main()\n")
+    out = subprocess.run([sys.executable, "-c", code, "boom"], capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 1, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "RuntimeError: disk on fire second line" in lines[0] and "Traceback" not in out.stderr
