@@ -55,7 +55,8 @@ def train(
     experiment: Annotated[Path, typer.Argument(help="experiment YAML")],
     set_: SetOpt = None,
     resume: Annotated[str | None, typer.Option(help="run name or run directory to continue")] = None,
-    run_name: Annotated[str | None, typer.Option(help="name of the new run (default: <name>-<time>)")] = None,
+    run_name: Annotated[str | None, typer.Option(
+        help="name of the new run (default: <preset>-<env>-s<seed>-<time>)")] = None,
 ) -> None:
     """Train: rollout -> filter -> update -> evaluate, every iteration tracked in MLflow."""
     _load(experiment, set_)  # validate first: a bad config writes nothing

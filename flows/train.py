@@ -45,7 +45,8 @@ def train(
         cfg = load_experiment(experiment, overrides)
         folder = RunDir.named(run_name or session.new_run_name(cfg))
     folder.create()
-    logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id, extra_tags=tags)
+    logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id, extra_tags=tags,
+                         experiment_file=experiment)
     pruner = _trial_reporter(trial) if trial else None
     with Reporter(cfg.trainer.iterations) as ui:
         sess = session.open_session(cfg, logger, folder, say=ui.say, progress=ui.progress)

@@ -39,6 +39,8 @@ from ragen_core.rollout.metrics import rollout_metrics
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking import CollapseMonitor, EarlyStopRules, MetricLogger, plot_curves, trajectories_text
 from ragen_core.tracking.early_stop import HEALTH_STOP
+from ragen_core.tracking.mlflow_logger import browse_hint
+from ragen_core.tracking.run_meta import default_run_name
 from ragen_core.trainer import (
     TrainState,
     filter_batch,
@@ -140,7 +142,8 @@ class Session:
 
 
 def new_run_name(cfg: ExperimentConfig) -> str:
-    return f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """``<preset>-<env>-s<seed>-<time>``: the folder's and the MLflow run's name (tracking/run_meta.py)."""
+    return default_run_name(cfg)
 
 
 def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, RunDir]:
@@ -489,7 +492,6 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
     summary = (f"run {sess.name}: {sess.iteration} iterations, val success first {fmt(first)} -> last {fmt(last)}"
                + (f", stopped: {sess.stop_reason}" if sess.stop_reason else "")
                + f"\nrun directory: {sess.run_dir}"
-               + (f"\nbrowse it: mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite") else
-                  f"\nbrowse it: {uri}" if uri else ""))
+               + browse_hint(sess.logger, uri))
     return TrainResult(sess.name, str(sess.run_dir), sess.logger.run_id, sess.iteration, first, last,
                        sess.stop_reason, summary)

@@ -4,7 +4,8 @@
   :class:`MLflowLogger` (one MLflow run per training run, delivered through a local outbox
   so an unreachable server never stops training or loses a metric).
 - :func:`flatten_config`, :func:`log_config`, :func:`run_tags`, :func:`trajectories_text`:
-  params, tags and readable artifacts of a run.
+  params, tags and readable artifacts of a run; ``run_meta`` also names runs (``<preset>-<env>-s<seed>-<time>``),
+  picks their experiment (one per env family), their standard tags and description.
 - :class:`CollapseMonitor`: ``health/*`` metrics, warning and clean stop (RAGEN §4).
 - :class:`EarlyStopRules`: RAGEN-2's early-stop rules and the template-collapse rule (SPEC §8).
 - :func:`plot_curves`: PNG curves for the end of a run and ``ragen compare``.

@@ -1,5 +1,6 @@
 """The training flow end to end on the tiny model: iterations, MLflow metrics/tags/artifacts,
-readable shards, checkpoints, and resume continuing the same MLflow run."""
+readable shards, checkpoints, and resume continuing the same MLflow run; how the run looks in MLflow
+(issue 19: experiment, names, tags, charts)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,39 @@ def test_metrics_tags_and_artifacts_in_mlflow(smoke_run) -> None:
     assert any(a.startswith("plots/") and a.endswith(".png") for a in arts)
     assert any(a.startswith("model/") for a in arts)
     assert run.info.status == "FINISHED"
+
+
+def test_run_opens_as_training_runs_in_its_env_familys_experiment(smoke_run) -> None:
+    data, result = smoke_run
+    client = MlflowClient(_uri(data))
+    exp = client.get_experiment(client.get_run(result.mlflow_run_id).info.experiment_id)
+    assert exp.name == "ragen-Bandit"
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert f"/#/experiments/{exp.experiment_id}/runs/{result.mlflow_run_id}?workflowType=machine_learning" in (
+        result.summary)
+
+
+def test_standard_tags_and_the_experiment_files_header_as_description(smoke_run) -> None:
+    data, result = smoke_run
+    tags = MlflowClient(_uri(data)).get_run(result.mlflow_run_id).data.tags
+    assert tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL"
+    assert tags["mlflow.source.name"].endswith("experiments/smoke.yaml")
+    assert tags["mlflow.note.content"].startswith("Smoke: the whole pipeline on the tiny random model")
+    assert (tags["seed"], tags["name"], tags["preset"], tags["env"], tags["model"]) == (
+        "0", "smoke", "starpo-s", "Bandit", "tiny-random")
+
+
+def test_comparison_curves_come_first_in_the_chart_view(smoke_run) -> None:
+    data, result = smoke_run
+    client = MlflowClient(_uri(data))
+    names = set(client.get_run(result.mlflow_run_id).data.metrics)
+    assert sorted({n.rsplit("/", 1)[0] for n in names})[0] == "0_compare"  # the UI's first section
+    pairs = [("val/success", "0_compare/1_val_success"), ("rollout/reward_std_all", "0_compare/2_reward_std"),
+             ("actor/entropy", "0_compare/3_entropy"), ("actor/grad_norm", "0_compare/4_grad_norm")]
+    for source, alias in pairs:
+        a, b = (sorted((m.step, m.value) for m in client.get_metric_history(result.mlflow_run_id, k))
+                for k in (source, alias))
+        assert a == b and a, alias
 
 
 def test_shards_are_readable(smoke_run) -> None:

@@ -77,7 +77,7 @@ def test_smoke_run_arrives_on_mlflow_server(
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "it-server"
-    assert client.get_experiment(run.info.experiment_id).name == "ragen"
+    assert client.get_experiment(run.info.experiment_id).name == "ragen-Bandit"  # one experiment per env family
 
     tags = run.data.tags
     assert {k: tags[k] for k in ("algo", "env", "estimator", "preset", "model")} == {
