@@ -4,8 +4,10 @@
     python -c "from flows.train import train; train('experiments/smoke.yaml')"
 
 Runs in Prefect's ephemeral mode with nothing to start; with PREFECT_API_URL set it reports
-to that server. Every run is one MLflow run (a resumed run continues it). The same flow is
-the `ragen-train` deployment of prefect.yaml and the body of every sweep trial.
+to that server. Every run is one MLflow run (a resumed run continues it), which ends FINISHED,
+FAILED (an exception) or KILLED (Ctrl-C, SIGTERM: a cancelled flow run) as the flow ends
+(``closes_runs``, ragen_core/tracking/run_end.py). The same flow is the `ragen-train` deployment
+of prefect.yaml and the body of every sweep trial.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from ragen_core import session
 from ragen_core.config import load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import open_logger, tracking_uri
+from ragen_core.tracking.run_end import closes_runs
 from tasks import train_steps as steps
 
 
 @flow(name="ragen-train")
+@closes_runs  # the logger opened below ends FINISHED, FAILED or KILLED as this flow does
 def train(
     experiment: str,
     overrides: list[str] | None = None,

@@ -4,7 +4,8 @@
     # MLflowLogger (NullLogger when tracking.backend is none) in experiment ragen-<env family>
 
 The outbox lives in the run directory, so resuming a run (same directory) continues the
-same MLflow run.
+same MLflow run. The logger joins the innermost :func:`~ragen_core.tracking.run_end.run_scope`
+(the train flow's), which closes it FINISHED, FAILED or KILLED as the run ends.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from ragen_core.config import ExperimentConfig
 from ragen_core.tracking.logger import MetricLogger, NullLogger
 from ragen_core.tracking.mlflow_logger import MLflowLogger, default_tracking_uri
+from ragen_core.tracking.run_end import adopt
 from ragen_core.tracking.run_meta import experiment_name, git_commit, log_config, run_tags, source_tags
 
 
@@ -46,5 +48,6 @@ def open_logger(
     tags.update(extra_tags or {})
     logger = MLflowLogger(tracking_uri(cfg), experiment_name(cfg), run_name=run_dir.name,
                           parent_run_id=parent_run_id, tags=tags, outbox_dir=run_dir)
+    adopt(logger)
     log_config(logger, cfg)
     return logger

@@ -1,18 +1,27 @@
 """The training flow end to end on the tiny model: iterations, MLflow metrics/tags/artifacts,
 readable shards, checkpoints, and resume continuing the same MLflow run; how the run looks in MLflow
-(issue 19: experiment, names, tags, charts)."""
+(issue 19: experiment, names, tags, charts) and that it
+ends FINISHED, FAILED or KILLED as the flow did."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
 from safetensors.torch import load_file
 
 from flows.train import train
+from ragen_core import session
 from ragen_core.store import read_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +139,51 @@ def test_resume_continues_the_same_mlflow_run(smoke_run) -> None:
     steps = [m.step for m in client.get_metric_history(first.mlflow_run_id, "actor/grad_norm")]
     assert steps == [0, 1, 2]
     assert len(client.search_runs([client.get_run(first.mlflow_run_id).info.experiment_id])) == 1
+
+
+def test_a_flow_that_raises_ends_its_run_failed(data_dir, monkeypatch) -> None:
+    """Also: a run without --run-name is named <preset>-<env>-s<seed>-<time>, its folder too."""
+
+    def boom(sess, selection):
+        raise RuntimeError("update exploded")
+
+    monkeypatch.setattr(session, "update_policy", boom)
+    with pytest.raises(RuntimeError, match="update exploded"):
+        train(experiment=SMOKE, overrides=["trainer.seed=7"])
+    client = MlflowClient(_uri(data_dir))
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and run.data.tags["error"] == "RuntimeError: update exploded"
+    [folder] = (data_dir / "runs").iterdir()
+    assert re.fullmatch(r"starpo-s-Bandit-s7-\d{8}-\d{6}", folder.name), folder.name
+    assert run.info.run_name == folder.name
+
+
+def test_ragen_train_sent_sigterm_ends_its_run_killed(data_dir, tmp_path) -> None:
+    """SIGTERM is how Prefect cancels a flow run: the process stops and the MLflow run says KILLED."""
+    with get_client(sync_client=True) as client:  # the test harness's API: no second server to start
+        api = str(client.api_url).rstrip("/")
+    env = {**os.environ, "PREFECT_API_URL": api, "RAGEN_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
+    state = data_dir / "runs" / "term" / "tracking-outbox.state.json"
+    with open(tmp_path / "train.log", "w") as log:
+        # `-m flows.cli` from the repository root: this checkout's code, as sweep workers start
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", SMOKE, "--run-name", "term",
+                                 "--set", "trainer.iterations=200"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not (state.exists() and json.loads(state.read_text()).get("run_id")):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "train.log").read_text()
+                time.sleep(0.2)
+            os.kill(proc.pid, signal.SIGTERM)
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    output = (tmp_path / "train.log").read_text()
+    assert rc == -signal.SIGTERM, output[-3000:]  # the process still ends by the signal (a job's status says so)
+    run = MlflowClient(_uri(data_dir)).get_run(json.loads(state.read_text())["run_id"])
+    assert run.info.status == "KILLED", output[-3000:]
+    assert run.data.tags["error"].startswith("TerminationSignal")
 
 
 def test_resumed_run_matches_an_unbroken_one(data_dir) -> None:
