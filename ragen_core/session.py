@@ -40,7 +40,7 @@ from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking import CollapseMonitor, EarlyStopRules, MetricLogger, plot_curves, trajectories_text
 from ragen_core.tracking.early_stop import HEALTH_STOP
 from ragen_core.tracking.mlflow_logger import browse_hint
-from ragen_core.tracking.run_meta import default_run_name
+from ragen_core.tracking.run_meta import REPLIES_TABLE, default_run_name, replies_table
 from ragen_core.trainer import (
     TrainState,
     filter_batch,
@@ -366,6 +366,7 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
         sample = rollouts.trajectories[: cfg.tracking.sample_trajectories]
         if sample:
             sess.logger.log_text(trajectories_text(sample), f"samples/iter={step:04d}.txt")
+            sess.logger.log_table(replies_table(step, sample, selection.kept[: len(sample)]), REPLIES_TABLE)
         sess.logger.log_artifact(shard, f"rollouts/iter={step:04d}")
     row = {"iteration": step, **metrics}
     sess.history.append(row)

@@ -5,7 +5,7 @@
   so an unreachable server never stops training or loses a metric).
 - :func:`flatten_config`, :func:`log_config`, :func:`run_tags`, :func:`trajectories_text`:
   params, tags and readable artifacts of a run; ``run_meta`` also names runs (``<preset>-<env>-s<seed>-<time>``),
-  picks their experiment (one per env family), their standard tags and description.
+  picks their experiment (one per env family), their standard tags and description, and the replies table.
 - ``run_end``: a run ends FINISHED, FAILED or KILLED as it really ended (exceptions, Ctrl-C, SIGTERM).
 - :class:`CollapseMonitor`: ``health/*`` metrics, warning and clean stop (RAGEN §4).
 - :class:`EarlyStopRules`: RAGEN-2's early-stop rules and the template-collapse rule (SPEC §8).

@@ -33,7 +33,8 @@ How runs look in MLflow 3.17's UI (issue 19):
   grad norm: RAGEN's Echo Trap signals) would be scattered; :data:`CHART_FIRST` logs them a second time under
   ``0_compare/`` names that sort first;
 - a nested run (a sweep trial) goes into its parent's experiment, whatever its own config names: MLflow nests
-  runs only within one experiment.
+  runs only within one experiment;
+- tables (``log_table``) go through the outbox like everything else.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from ragen_core.config import data_dir
 from ragen_core.store.run_dir import RunDir
-from ragen_core.tracking.logger import check_metric_names, check_status
+from ragen_core.tracking.logger import check_metric_names, check_status, check_table
 from ragen_core.tracking.outbox import Outbox
 
 if TYPE_CHECKING:
@@ -222,6 +223,15 @@ class MLflowLogger:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._record({"kind": "text", "text": text, "artifact_file": artifact_file})
 
+    def log_table(self, data: dict[str, list[Any]], artifact_file: str) -> None:
+        """Rows appended to the run's table ``artifact_file`` (``MlflowClient.log_table``); JSON-able values only.
+
+        Delivery appends; an entry is sent once, except when the process dies between the upload and the
+        outbox's note of it, when the next delivery appends those rows again.
+        """
+        check_table(data, artifact_file)
+        self._record({"kind": "table", "data": data, "artifact_file": artifact_file})
+
     def flush(self) -> None:
         self._deliver(force=True)
 
@@ -374,10 +384,20 @@ class MLflowLogger:
                     tags=[RunTag(k, v) for k, v in tags.items()],
                 )
             self._params.update(params)
-        elif kind == "text":
-            client.log_text(run_id, entries[0]["text"], entries[0]["artifact_file"])
+        else:
+            self._send_one(client, run_id, entries[0])
+
+    def _send_one(self, client: MlflowClient, run_id: str, e: dict[str, Any]) -> None:
+        """Deliver one non-batchable entry: a text, table, artifact or status change."""
+        kind = e["kind"]
+        if kind == "text":
+            client.log_text(run_id, e["text"], e["artifact_file"])
+        elif kind == "table":
+            import pandas as pd  # lazily, like mlflow: only a run that logs tables needs it
+
+            client.log_table(run_id, pd.DataFrame(e["data"]), e["artifact_file"])
         elif kind == "artifact":
-            path, dest = Path(entries[0]["path"]), entries[0]["artifact_path"]
+            path, dest = Path(e["path"]), e["artifact_path"]
             if not path.exists():
                 raise _Refused(f"artifact {path} no longer exists")
             if path.is_dir():
@@ -385,10 +405,10 @@ class MLflowLogger:
             else:
                 client.log_artifact(run_id, str(path), dest)
         elif kind == "status":
-            if entries[0]["status"] == "RUNNING":
+            if e["status"] == "RUNNING":
                 client.update_run(run_id, status="RUNNING")
             else:
-                client.set_terminated(run_id, entries[0]["status"], end_time=entries[0]["ts"])
+                client.set_terminated(run_id, e["status"], end_time=e["ts"])
         else:
             raise _Refused(f"unknown outbox entry kind {kind!r}")
 

@@ -1,5 +1,5 @@
-"""What describes a run besides its metrics: its name and experiment, config params, the config YAML, tags and
-sample text.
+"""What describes a run besides its metrics: its name and experiment, config params, the config YAML, tags,
+sample text and the table of sampled replies.
 
     from ragen_core.tracking import log_config, run_tags, trajectories_text
     default_run_name(cfg)                         # 'starpo-s-Bandit-s0-20261125-120000'
@@ -9,6 +9,7 @@ sample text.
                              preset=cfg.preset, model=cfg.model.name, git_commit=git_commit()))
     logger.set_tags(source_tags("experiments/smoke.yaml"))   # user, source, the file's header as the description
     logger.log_text(trajectories_text(trajs[:4]), "samples/iter_0010.txt")
+    logger.log_table(replies_table(10, trajs[:4], kept[:4]), REPLIES_TABLE)
 
 Pure functions over plain data (plus ``git_commit``, which asks git, and ``source_tags``, which reads the
 experiment file), no MLflow.
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALGOS",
     "MAX_PARAM_LENGTH",
+    "REPLIES_TABLE",
     "config_yaml",
     "default_run_name",
     "env_family",
@@ -44,6 +46,7 @@ __all__ = [
     "git_commit",
     "header_comment",
     "log_config",
+    "replies_table",
     "run_tags",
     "source_tags",
     "trajectories_text",
@@ -52,6 +55,8 @@ __all__ = [
 ALGOS = ("starpo", "starpo-s", "grpo")
 MAX_PARAM_LENGTH = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH: longer values are refused
 MAX_TAG_LENGTH = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
+REPLIES_TABLE = "replies.json"
+"""The run's table of sampled replies (one file, rows appended per artifact step: see :func:`replies_table`)."""
 
 
 def default_run_name(cfg: ExperimentConfig, when: float | None = None) -> str:
@@ -219,6 +224,32 @@ def git_commit(repo_dir: Path | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def replies_table(iteration: int, trajectories: Sequence[Trajectory], kept: Sequence[bool] | None = None,
+                  ) -> dict[str, list[Any]]:
+    """Sampled replies as table columns, one row per turn, for ``MetricLogger.log_table``.
+
+    Columns: iteration, env_seed (the seed of the initial state), group, member, turn, state (the text the
+    model saw), reply, actions, reward (the turn's env reward plus format penalty), return (the trajectory's),
+    success, kept (the StarPO-S filter kept its group). Why a table and not text: MLflow's artifact view lines
+    up the same table of several runs by its columns, so a StarPO and a StarPO-S run started from the same
+    seed (training seeds depend on the iteration, not the preset) show their replies to the same states side
+    by side.
+    """
+    cols: dict[str, list[Any]] = {k: [] for k in ("iteration", "env_seed", "group", "member", "turn", "state",
+                                                   "reply", "actions", "reward", "return", "success", "kept")}
+    for n, traj in enumerate(trajectories):
+        member = traj.meta.get("member", n)
+        for k, turn in enumerate(traj.turns, start=1):
+            row = {"iteration": int(iteration), "env_seed": int(traj.seed), "group": int(traj.group_id),
+                   "member": int(member), "turn": k, "state": turn.observation, "reply": turn.response_text,
+                   "actions": " || ".join(turn.actions), "reward": float(turn.reward + turn.penalty),
+                   "return": float(traj.total_return), "success": bool(traj.success),
+                   "kept": bool(kept[n]) if kept is not None and n < len(kept) else None}
+            for key, value in row.items():
+                cols[key].append(value)
+    return cols
 
 
 def trajectories_text(trajectories: Sequence[Trajectory]) -> str:

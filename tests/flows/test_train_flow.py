@@ -1,6 +1,6 @@
 """The training flow end to end on the tiny model: iterations, MLflow metrics/tags/artifacts,
 readable shards, checkpoints, and resume continuing the same MLflow run; how the run looks in MLflow
-(issue 19: experiment, names, tags, charts) and that it
+(issue 19: experiment, names, tags, charts, replies table) and that it
 ends FINISHED, FAILED or KILLED as the flow did."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -121,6 +122,22 @@ def test_comparison_curves_come_first_in_the_chart_view(smoke_run) -> None:
         a, b = (sorted((m.step, m.value) for m in client.get_metric_history(result.mlflow_run_id, k))
                 for k in (source, alias))
         assert a == b and a, alias
+
+
+def test_sampled_replies_are_a_table_matching_the_shards(smoke_run, tmp_path) -> None:
+    data, result = smoke_run
+    client = MlflowClient(_uri(data))
+    run = client.get_run(result.mlflow_run_id)
+    assert {"path": "replies.json", "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    table = pd.read_json(client.download_artifacts(run.info.run_id, "replies.json", str(tmp_path)), orient="split")
+    # artifact_every 1, sample_trajectories 2, one turn each: two rows per iteration
+    assert table["iteration"].tolist() == [0, 0, 1, 1] and set(table["turn"]) == {1}
+    shards = read_run(result.run_dir)
+    for _, row in table.iterrows():
+        shard = shards[(shards["iteration"] == row["iteration"]) & (shards["seed"] == row["env_seed"])
+                       & (shards["group_id"] == row["group"])].iloc[int(row["member"])]
+        assert bool(shard["kept"]) == bool(row["kept"])
+    assert table["reply"].map(len).gt(0).all() and table["state"].str.len().gt(0).all()
 
 
 def test_shards_are_readable(smoke_run) -> None:

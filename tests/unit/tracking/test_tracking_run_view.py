@@ -1,19 +1,31 @@
 """How a run looks in MLflow (issue 19): run names, one experiment per env family marked as training runs,
-the comparison curves first in the chart view, standard tags and the description, nested runs in their
-parent's experiment, and the UI links. Against a temporary sqlite store."""
+the comparison curves first in the chart view, standard tags and the description, the replies table, nested
+runs in their parent's experiment, and the UI links. Against a temporary sqlite store."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
 from ragen_core.config import load_experiment
 from ragen_core.tracking import MLflowLogger, NullLogger
+from ragen_core.tracking.logger import check_table
 from ragen_core.tracking.mlflow_logger import CHART_FIRST, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, browse_hint, ui_url
-from ragen_core.tracking.run_meta import default_run_name, env_family, experiment_name, header_comment, source_tags
+from ragen_core.tracking.run_meta import (
+    REPLIES_TABLE,
+    default_run_name,
+    env_family,
+    experiment_name,
+    header_comment,
+    replies_table,
+    source_tags,
+)
+from ragen_core.types import Trajectory, Turn
 
 ROOT = Path(__file__).resolve().parents[3]
 SMOKE = ROOT / "experiments" / "smoke.yaml"
@@ -118,3 +130,52 @@ def test_ui_links_open_the_runs_view() -> None:
         "http://mlflow:5000/#/experiments/3/runs/abc?workflowType=machine_learning")
     assert browse_hint(NullLogger(), "sqlite:///x.db") == "\nbrowse it: mlflow ui --backend-store-uri sqlite:///x.db"
     assert browse_hint(NullLogger(), "") == ""
+
+
+# --------------------------------------------------------------------------- the replies table
+
+
+def _traj(seed: int, group: int, member: int, replies: list[str], success: bool) -> Trajectory:
+    turns = tuple(Turn(observation=f"state {seed}.{k}", prompt_ids=(1,), response_ids=(2,), logprobs=(-0.1,),
+                       response_text=r, actions=("Left",), reward=1.0 if success else 0.0, penalty=-0.1,
+                       parse_ok=True) for k, r in enumerate(replies))
+    return Trajectory(env_tag="Bandit", seed=seed, group_id=group, turns=turns, success=success, terminated=True,
+                      truncated=False, meta={"member": member})
+
+
+def test_replies_table_has_a_row_per_turn() -> None:
+    trajs = [_traj(1_000_000, 0, 0, ["a", "b"], True), _traj(1_000_000, 0, 1, ["c"], False)]
+    table = replies_table(7, trajs, [True, True])
+    check_table(table, REPLIES_TABLE)
+    rows = [dict(zip(table, values, strict=True)) for values in zip(*table.values(), strict=True)]
+    assert [(r["env_seed"], r["member"], r["turn"], r["reply"]) for r in rows] == [
+        (1_000_000, 0, 1, "a"), (1_000_000, 0, 2, "b"), (1_000_000, 1, 1, "c")]
+    assert rows[0] == {"iteration": 7, "env_seed": 1_000_000, "group": 0, "member": 0, "turn": 1, "state": "state "
+                       "1000000.0", "reply": "a", "actions": "Left", "reward": 0.9, "return": 1.8, "success": True,
+                       "kept": True}
+    assert replies_table(7, trajs)["kept"] == [None, None, None]
+
+
+def test_replies_table_lands_in_mlflow_and_grows(uri: str, tmp_path: Path) -> None:
+    log = MLflowLogger(uri, "tables", run_name="r", outbox_dir=tmp_path)
+    log.log_table(replies_table(0, [_traj(5, 0, 0, ["x"], True)], [False]), REPLIES_TABLE)
+    log.log_table(replies_table(10, [_traj(9, 0, 0, ["y"], False)], [True]), REPLIES_TABLE)
+    log.close()
+    client = MlflowClient(uri)
+    run = client.get_run(log.run_id)
+    assert {"path": REPLIES_TABLE, "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    # (client.load_table would search runs at the process-wide tracking URI, not the client's)
+    df = pd.read_json(client.download_artifacts(log.run_id, REPLIES_TABLE, str(tmp_path / "dl")), orient="split")
+    assert df["iteration"].tolist() == [0, 10] and df["reply"].tolist() == ["x", "y"]
+    assert df["kept"].tolist() == [False, True]
+
+
+def test_tables_must_be_json_with_equal_columns() -> None:
+    with pytest.raises(ValueError, match="json"):
+        NullLogger().log_table({"a": [1]}, "t.csv")
+    with pytest.raises(ValueError, match="different lengths"):
+        NullLogger().log_table({"a": [1], "b": [1, 2]}, "t.json")
+    log = NullLogger()
+    log.log_table({"a": [1]}, "t.json")
+    log.log_table({"a": [2, 3]}, "t.json")
+    assert log.tables == {"t.json": {"a": [1, 2, 3]}}
