@@ -30,7 +30,7 @@ import numpy as np
 
 from ragen_core.algos.collapse import MI_ZSCORE_EPS
 from ragen_core.config import ExperimentConfig, load_experiment, to_dict
-from ragen_core.models import causal_lm, load_model, load_tokenizer
+from ragen_core.models import causal_lm, load_model, load_tokenizer, resolve_model
 from ragen_core.rollout.batch import build_token_batch
 from ragen_core.rollout.evaluate import evaluate, heldout_seeds
 from ragen_core.rollout.generators import Generator, make_generator
@@ -461,7 +461,7 @@ CURVES = ("val/success", "rollout/reward_std_all", "actor/entropy", "actor/grad_
 
 
 def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = True) -> TrainResult:
-    """Curves PNG, the final model (or adapter) as artifacts, a summary; closes the logger."""
+    """Curves PNG, the final model (or adapter) as the run's logged model, a summary; closes the logger."""
     series = {k: [(int(r["iteration"]), float(r[k])) for r in sess.history if k in r] for k in CURVES}
     series[f"env/{sess.cfg.env.label}/success"] = [
         (int(r["iteration"]), float(r[f"env/{sess.cfg.env.label}/success"]))
@@ -476,7 +476,10 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
         with sess.state.full_weights():
             causal_lm(sess.state.models.actor).save_pretrained(final)
         sess.tokenizer.save_pretrained(final)
-        sess.logger.log_artifact(final, "model")
+        # a loadable, registrable model (tracking/model_registry.py); a LoRA adapter refers to the base it adapts
+        adapter = (final / "adapter_config.json").is_file()
+        base = resolve_model(base_model_spec(sess.cfg, say=lambda _: None)) if adapter else None
+        sess.logger.log_model(final, "model", base_model=base, step=sess.iteration)
     vals = [r["val/success"] for r in sess.history if "val/success" in r]
     first, last = (vals[0], vals[-1]) if vals else (None, None)
     close = getattr(sess.generator, "close", None)  # a vLLM engine holds its KV cache until shut down

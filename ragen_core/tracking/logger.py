@@ -99,6 +99,14 @@ class MetricLogger(Protocol):
         """Append rows (equal-length columns) to the run's table ``artifact_file`` (a '.json' file)."""
         ...
 
+    def log_model(self, path: Path, name: str = "model", base_model: Path | None = None, step: int = 0) -> None:
+        """Attach a saved model folder as a model the tracking backend can load back and register.
+
+        ``path`` holds a full transformers model, or a peft adapter (adapter_config.json) over ``base_model``;
+        ``step`` is the iteration it comes from.
+        """
+        ...
+
     def flush(self) -> None:
         """Deliver everything recorded so far, if the backend can be reached."""
         ...
@@ -121,6 +129,8 @@ class NullLogger:
         self.texts: dict[str, str] = {}
         self.tables: dict[str, dict[str, list[Any]]] = {}
         """artifact file -> columns, rows of every call appended (as the real table grows)."""
+        self.models: list[tuple[Path, str, Path | None, int]] = []
+        """(path, name, base_model, step) per log_model call."""
         self.status: str | None = None
         """None while open; the close() status afterwards."""
 
@@ -155,6 +165,10 @@ class NullLogger:
             table = self.tables.setdefault(artifact_file, {k: [] for k in data})
             for key, values in data.items():
                 table.setdefault(key, []).extend(values)
+
+    def log_model(self, path: Path, name: str = "model", base_model: Path | None = None, step: int = 0) -> None:
+        if self.record:
+            self.models.append((Path(path), name, None if base_model is None else Path(base_model), int(step)))
 
     def flush(self) -> None:
         pass

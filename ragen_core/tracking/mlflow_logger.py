@@ -34,7 +34,8 @@ How runs look in MLflow 3.17's UI (issue 19):
   ``0_compare/`` names that sort first;
 - a nested run (a sweep trial) goes into its parent's experiment, whatever its own config names: MLflow nests
   runs only within one experiment;
-- tables (``log_table``) go through the outbox like everything else.
+- tables (``log_table``) and the final model (``log_model``, see :mod:`.model_registry`) go through the
+  outbox like everything else.
 """
 
 from __future__ import annotations
@@ -232,6 +233,14 @@ class MLflowLogger:
         check_table(data, artifact_file)
         self._record({"kind": "table", "data": data, "artifact_file": artifact_file})
 
+    def log_model(self, path: Path, name: str = "model", base_model: Path | None = None, step: int = 0) -> None:
+        """The saved model in ``path`` as the run's logged model (see :func:`.model_registry.log_model_dir`).
+
+        Only the paths are queued: the folders must still exist at delivery.
+        """
+        self._record({"kind": "model", "path": str(Path(path).resolve()), "name": name, "step": int(step),
+                      "base_model": None if base_model is None else str(Path(base_model).resolve())})
+
     def flush(self) -> None:
         self._deliver(force=True)
 
@@ -388,7 +397,7 @@ class MLflowLogger:
             self._send_one(client, run_id, entries[0])
 
     def _send_one(self, client: MlflowClient, run_id: str, e: dict[str, Any]) -> None:
-        """Deliver one non-batchable entry: a text, table, artifact or status change."""
+        """Deliver one non-batchable entry: a text, table, model, artifact or status change."""
         kind = e["kind"]
         if kind == "text":
             client.log_text(run_id, e["text"], e["artifact_file"])
@@ -396,6 +405,13 @@ class MLflowLogger:
             import pandas as pd  # lazily, like mlflow: only a run that logs tables needs it
 
             client.log_table(run_id, pd.DataFrame(e["data"]), e["artifact_file"])
+        elif kind == "model":
+            from ragen_core.tracking.model_registry import log_model_dir  # loads mlflow.transformers: only here
+
+            if not Path(e["path"]).exists():
+                raise _Refused(f"model folder {e['path']} no longer exists")
+            log_model_dir(self.tracking_uri, run_id, Path(e["path"]), e["name"],
+                          Path(e["base_model"]) if e.get("base_model") else None, e["step"])
         elif kind == "artifact":
             path, dest = Path(e["path"]), e["artifact_path"]
             if not path.exists():

@@ -1,6 +1,6 @@
 """The training flow end to end on the tiny model: iterations, MLflow metrics/tags/artifacts,
 readable shards, checkpoints, and resume continuing the same MLflow run; how the run looks in MLflow
-(issue 19: experiment, names, tags, charts, replies table) and that it
+(issue 19: experiment, names, tags, charts, replies table, the logged and registered model) and that it
 ends FINISHED, FAILED or KILLED as the flow did."""
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ import torch
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.train import train
 from ragen_core import session
+from ragen_core.config import load_experiment
 from ragen_core.store import read_run
+from ragen_core.tracking.model_registry import load_logged_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "experiments" / "smoke.yaml")
@@ -87,7 +91,6 @@ def test_metrics_tags_and_artifacts_in_mlflow(smoke_run) -> None:
     assert any(a.startswith("samples/") for a in arts)
     assert any(a.startswith("rollouts/") and a.endswith(".parquet") for a in arts)
     assert any(a.startswith("plots/") and a.endswith(".png") for a in arts)
-    assert any(a.startswith("model/") for a in arts)
     assert run.info.status == "FINISHED"
 
 
@@ -140,6 +143,23 @@ def test_sampled_replies_are_a_table_matching_the_shards(smoke_run, tmp_path) ->
     assert table["reply"].map(len).gt(0).all() and table["state"].str.len().gt(0).all()
 
 
+def test_final_model_loads_back_and_registers(smoke_run) -> None:
+    data, result = smoke_run
+    model, tokenizer = load_logged_model(_uri(data), result.run_name)
+    saved = load_file(Path(result.run_dir) / "final-model" / "model.safetensors")
+    state = model.state_dict()
+    assert saved and all(torch.equal(state[k], saved[k]) for k in saved)
+    assert tokenizer("Dragon").input_ids
+    out = CliRunner().invoke(app, ["model", "register", result.run_name])
+    assert out.exit_code == 0, out.output
+    assert "registered ragen-Bandit-starpo-s version 1" in out.output
+    client = MlflowClient(_uri(data))
+    [version] = client.search_model_versions("name = 'ragen-Bandit-starpo-s'")
+    assert version.run_id == result.mlflow_run_id and version.source.startswith("models:/m-")
+    bad = CliRunner().invoke(app, ["model", "register", "no-such-run"])
+    assert bad.exit_code == 2 and "no MLflow run" in bad.output
+
+
 def test_shards_are_readable(smoke_run) -> None:
     _, result = smoke_run
     df = read_run(result.run_dir)
@@ -156,6 +176,23 @@ def test_resume_continues_the_same_mlflow_run(smoke_run) -> None:
     steps = [m.step for m in client.get_metric_history(first.mlflow_run_id, "actor/grad_norm")]
     assert steps == [0, 1, 2]
     assert len(client.search_runs([client.get_run(first.mlflow_run_id).info.experiment_id])) == 1
+
+
+def test_a_lora_runs_final_model_is_its_adapter_over_the_base(data_dir) -> None:
+    from peft import PeftModel
+
+    from ragen_core.evaluation import load_policy
+
+    result = train(experiment=SMOKE, run_name="lora", overrides=[
+        "model.lora_rank=4", "model.lora_alpha=8", "trainer.iterations=1", "eval.every=0", "trainer.checkpoint_every=0",
+        "tracking.artifact_every=0"])
+    model, _ = load_logged_model(_uri(data_dir), "lora")
+    assert isinstance(model, PeftModel)
+    policy, _ = load_policy(load_experiment(Path(result.run_dir) / "config.yaml"),
+                            Path(result.run_dir) / "final-model")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(ids).logits, policy(ids).logits)
 
 
 def test_a_flow_that_raises_ends_its_run_failed(data_dir, monkeypatch) -> None:
