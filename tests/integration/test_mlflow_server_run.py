@@ -185,4 +185,7 @@ def test_server_killed_mid_run_no_metric_lost_or_doubled(
         assert set(want) <= set(got), f"{key}: steps {sorted(set(want) - set(got))} lost"
         assert all(got[s] == pytest.approx(v, nan_ok=True) for s, v in want.items()), key
     assert run.data.params["trainer.iterations"] == "2"
-    assert {"config.yaml", "samples", "plots", "model"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    top = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "samples", "plots", "replies.json"} <= top, top
+    [output] = run.outputs.model_outputs  # the final model, logged once, through the outbox
+    assert client.get_logged_model(output.model_id).name == "model"
