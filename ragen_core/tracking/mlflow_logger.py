@@ -23,11 +23,13 @@ per-thread, and Prefect runs tasks in threads (STYLE.md rule 7).
 How runs look in MLflow 3.17's UI (issue 19):
 
 - every experiment the logger creates or opens gets the tag ``mlflow.experimentKind`` =
-  ``custom_model_development`` ("Machine learning"), the UI's own marker for an experiment of training runs
-  (a GenAI experiment opens on traces instead). 3.17's UI reads the kind from its sidebar switch
-  (GenAI / Machine learning, remembered per browser) and from ``?workflowType=machine_learning`` in the
-  address, so :func:`ui_url` links with that parameter; the tag is what the experiment says of itself (the
-  kind selector in the experiment's header shows it, and UIs that read it open on runs);
+  ``custom_model_development`` ("Machine learning"): MLflow 3.x's marker for an experiment of training runs,
+  which the UI opens on its runs (``genai_development`` opens on traces; untagged, the UI guesses from whether
+  the experiment holds traces or runs). The 3.17.2 UI, though, has its workflow switch on (a feature flag
+  that returns true): the kind then comes from the sidebar's GenAI / Machine learning switch (kept per
+  browser, GenAI by default) or from ``?workflowType=machine_learning`` in the address, not from the tag.
+  So :func:`ui_url` links with that parameter, and the tag keeps saying what the experiment is for UIs and
+  tools that read it;
 - the chart view makes one section per metric prefix (``actor``, ``env/Bandit``, ...) sorted by name, each
   chart sorted by metric name, so the four curves that compare runs (validation success, reward std, entropy,
   grad norm: RAGEN's Echo Trap signals) would be scattered; :data:`CHART_FIRST` logs them a second time under
@@ -87,9 +89,10 @@ CHART_FIRST: dict[str, str] = {
 }
 """Metrics logged a second time under these names, so that they are the first section of MLflow's chart view.
 
-The UI (3.17, ``RunsChartsCard`` setup in main.c2f5f8d4.js) puts a metric in the section named by its key up to
-the last '/' and sorts sections, and the charts in them, by name: '0_compare' sorts before every namespace and the
-digits keep the four in this order.
+The UI (3.17.2: where main.c2f5f8d4.js builds the default chart set, ``extractChartSectionName``) puts a metric in
+the section named by its key up to the last '/', sorts the sections by name (keys without '/' and system metrics
+last) and the charts by metric key: '0_compare' sorts before every namespace and the digits keep the four in this
+order. Only a chart view not yet arranged by hand: the UI keeps a user's layout per experiment in the browser.
 """
 
 
