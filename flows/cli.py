@@ -2,7 +2,7 @@
 
     ragen train experiments/bandit-starpo-s.yaml --set trainer.iterations=3
     ragen eval RUN_OR_CHECKPOINT        ragen compare RUN RUN ...
-    ragen sweep sweeps/smoke.yaml       ragen model fetch | warmup
+    ragen sweep sweeps/smoke.yaml       ragen model fetch | warmup | register RUN
     ragen study studies/echo-trap-bandit.yaml
     ragen envs                          ragen play Sokoban --seed 3
     ragen show RUN --iter 3 --kept      (a run's dialogues; --html PAGE writes them as a page)
@@ -33,7 +33,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-model_app = typer.Typer(help="Provision models: fetch the default, make the format-warmed copy.", no_args_is_help=True)
+model_app = typer.Typer(help="Provision models: fetch the default, make the format-warmed copy; register a run's "
+                        "final model in MLflow.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 
@@ -75,7 +76,8 @@ def train(
     experiment: Annotated[Path | None, typer.Argument(help="experiment YAML (not needed with --resume)")] = None,
     set_: SetOpt = None,
     resume: Annotated[str | None, typer.Option(help="run name or run directory to continue")] = None,
-    run_name: Annotated[str | None, typer.Option(help="name of the new run (default: <name>-<time>)")] = None,
+    run_name: Annotated[str | None, typer.Option(
+        help="name of the new run (default: <preset>-<env>-s<seed>-<time>)")] = None,
     nproc: Annotated[int, typer.Option(min=1, help="data-parallel processes on this machine (trainer.backend="
                                                    "deepspeed); this one is rank 0. Under torchrun leave it out")] = 1,
 ) -> None:
@@ -258,6 +260,22 @@ def model_warmup(
     from ragen_core.trainer.warmup import warmup_model
 
     print(warmup_model(cfg, force=force, progress=console.print))
+
+
+@model_app.command("register")
+def model_register(
+    run: Annotated[str, typer.Argument(help="run name or MLflow run id")],
+    name: Annotated[str | None, typer.Option(help="registered model name (default: ragen-<env>-<preset>)")] = None,
+) -> None:
+    """Register a run's final model (logged by `ragen train`) as a new version in the MLflow model registry."""
+    from ragen_core.tracking.history import tracking_uri_for
+    from ragen_core.tracking.model_registry import register_model
+
+    try:
+        version = register_model(tracking_uri_for([run]), run, name)
+    except LookupError as e:
+        _fail(str(e))
+    print(f"registered {version.name} version {version.version} (run {version.run_id}, {version.source})")
 
 
 @app.command()

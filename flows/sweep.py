@@ -60,6 +60,7 @@ from ragen_core.tracking.factory import tracking_uri
 from ragen_core.tracking.history import fetch_runs
 from ragen_core.tracking.outbox import OutboxMismatch
 from ragen_core.tracking.run_history import RunHistory
+from ragen_core.tracking.run_meta import experiment_name
 from tasks import sweep_steps as steps
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -216,7 +217,11 @@ def worker_env() -> dict[str, str]:
 
 
 def open_parent_run(plan: SweepPlan, study: optuna.Study, url: str, flow_run_id: str | None) -> MetricLogger:
-    """One MLflow run per study (run name = study name); a resumed study continues the same run."""
+    """One MLflow run per study (run name = study name); a resumed study continues the same run.
+
+    It goes into the base experiment's MLflow experiment (``ragen-<env family>`` unless tracking.experiment
+    names one); the trials, nested under it, follow it there (MLflowLogger).
+    """
     base = load_experiment(plan.sweep.base, plan.sweep.overrides)
     if base.tracking.backend == "none":
         return NullLogger(record=False)
@@ -225,13 +230,13 @@ def open_parent_run(plan: SweepPlan, study: optuna.Study, url: str, flow_run_id:
             **({"prefect.flow_run_id": flow_run_id} if flow_run_id else {})}
     outbox = plan.out_dir / "mlflow-parent"
     try:
-        logger = MLflowLogger(tracking_uri(base), base.tracking.experiment, run_name=plan.sweep.name,
+        logger = MLflowLogger(tracking_uri(base), experiment_name(base), run_name=plan.sweep.name,
                               run_id=known, tags=tags, outbox_dir=outbox)
     except OutboxMismatch:  # the outbox belongs to an older study of the same name: the study's record wins;
         # the old outbox is set aside, never deleted (its undelivered entries are still there to read)
         aside = outbox.with_name(f"{outbox.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
         outbox.rename(aside)
-        logger = MLflowLogger(tracking_uri(base), base.tracking.experiment, run_name=plan.sweep.name,
+        logger = MLflowLogger(tracking_uri(base), experiment_name(base), run_name=plan.sweep.name,
                               run_id=known, tags=tags, outbox_dir=outbox)
     if logger.run_id and known != logger.run_id:
         study.set_user_attr(PARENT_ATTR, logger.run_id)

@@ -4,8 +4,10 @@
     python -c "from flows.train import train; train('experiments/smoke.yaml')"
 
 Runs in Prefect's ephemeral mode with nothing to start; with PREFECT_API_URL set it reports
-to that server. Every run is one MLflow run (a resumed run continues it). The same flow is
-the `ragen-train` deployment of prefect.yaml and the body of every sweep trial.
+to that server. Every run is one MLflow run (a resumed run continues it), which ends FINISHED,
+FAILED (an exception) or KILLED (Ctrl-C, SIGTERM: a cancelled flow run) as the flow ends
+(``closes_runs``, ragen_core/tracking/run_end.py). The same flow is the `ragen-train` deployment
+of prefect.yaml and the body of every sweep trial.
 
 Several processes (``nproc`` > 1, or under torchrun; trainer.backend deepspeed): this flow is rank 0, the
 only one that logs and writes; flows/ranks.py starts (or joins) the others, which run the same steps
@@ -25,11 +27,13 @@ from ragen_core import session
 from ragen_core.config import ConfigError, ExperimentConfig, check_run_name, load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import open_logger, tracking_uri
+from ragen_core.tracking.run_end import closes_runs
 from ragen_core.trainer.models import resolve_device
 from tasks import train_steps as steps
 
 
 @flow(name="ragen-train")
+@closes_runs  # the logger opened below ends FINISHED, FAILED or KILLED as this flow does
 def train(
     experiment: str | None = None,
     overrides: list[str] | None = None,
@@ -63,16 +67,17 @@ def train(
         raise ConfigError("a sweep trial reports to Optuna from one process: run sweeps with nproc 1")
     with ranks.world(nproc, resolve_device(cfg.model.device)):  # rank 0 (starting or joining the others), or alone
         cfg, folder = session.agree_run(cfg, folder)  # the other ranks take this run's config and folder
-        return _train(cfg, folder, parent_run_id, tags, trial)
+        return _train(cfg, folder, parent_run_id, tags, trial, experiment)
 
 
 def _train(cfg: ExperimentConfig, folder: RunDir, parent_run_id: str | None, tags: dict[str, str] | None,
-           trial: dict[str, Any] | None) -> session.TrainResult:
+           trial: dict[str, Any] | None, experiment: str | None) -> session.TrainResult:
     """The run itself, in this process (rank 0 of several, or alone)."""
     folder.create()
     ui_url = flow_run.ui_url  # the flow run's page in the Prefect UI, as a tag of the MLflow run
     logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id,
-                         extra_tags={**(tags or {}), **({"prefect.flow_run_url": ui_url} if ui_url else {})})
+                         extra_tags={**(tags or {}), **({"prefect.flow_run_url": ui_url} if ui_url else {})},
+                         experiment_file=experiment)
     pruner = _trial_reporter(trial) if trial else None
     artifacts = RunArtifacts(folder.name, cfg.trainer.iterations)
     with Reporter(cfg.trainer.iterations) as ui:

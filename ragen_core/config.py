@@ -288,7 +288,8 @@ class TrackingConfig:
 
     backend: Literal["mlflow", "none"] = F("mlflow", "where metrics go")
     uri: str | None = F(None, "tracking URI; None means sqlite:///$RAGEN_DATA_DIR/mlflow.db")
-    experiment: str = F("ragen", "MLflow experiment name")
+    experiment: str | None = F(None, "MLflow experiment name; None: one per env family, ragen-<family> "
+                                     "(ragen-Bandit, ragen-Sokoban, ...)")
     sample_trajectories: int = F(4, "trajectories logged as readable text each logged iteration", ge=0)
     artifact_every: int = F(10, "log samples and the Parquet shard every N iterations; 0 disables", ge=0)
 
@@ -344,7 +345,7 @@ PRESET_NAMES = ("starpo", "starpo-s", "grpo", "starpo-s-snr", "custom")
 class ExperimentConfig:
     """One training experiment: everything `ragen train` needs."""
 
-    name: str = F("experiment", "run name prefix")
+    name: str = F("experiment", "the experiment's name (run tag `name`)")
     preset: Literal["starpo", "starpo-s", "grpo", "starpo-s-snr", "custom"] = F(
         "custom", "algorithm preset applied under the file's values (starpo-s-snr: RAGEN-2's top-p filter)")
     model: ModelConfig = F(ModelConfig(), "model")

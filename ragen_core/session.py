@@ -46,7 +46,7 @@ import numpy as np
 from ragen_core import distributed
 from ragen_core.algos.collapse import MI_ZSCORE_EPS
 from ragen_core.config import ConfigError, ExperimentConfig, load_experiment, to_dict
-from ragen_core.models import causal_lm, load_model, load_tokenizer
+from ragen_core.models import causal_lm, load_model, load_tokenizer, resolve_model
 from ragen_core.rollout.batch import build_token_batch
 from ragen_core.rollout.evaluate import evaluate, heldout_seeds
 from ragen_core.rollout.generators import Generator, make_generator
@@ -62,6 +62,8 @@ from ragen_core.tracking import (
     trajectories_text,
 )
 from ragen_core.tracking.early_stop import HEALTH_STOP
+from ragen_core.tracking.mlflow_logger import browse_hint
+from ragen_core.tracking.run_meta import REPLIES_TABLE, default_run_name, replies_table
 from ragen_core.tracking.viewer import html_for_iteration
 from ragen_core.trainer import (
     TrainState,
@@ -167,7 +169,8 @@ class Session:
 
 
 def new_run_name(cfg: ExperimentConfig) -> str:
-    return f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """``<preset>-<env>-s<seed>-<time>``: the folder's and the MLflow run's name (tracking/run_meta.py)."""
+    return default_run_name(cfg)
 
 
 def resume_config(run: str, overrides: list[str]) -> tuple[ExperimentConfig, RunDir]:
@@ -454,6 +457,7 @@ def _publish_iteration(sess: Session, rollouts: RolloutBatch, selection: Selecti
         sample = rollouts.trajectories[: cfg.tracking.sample_trajectories]
         if sample:
             sess.logger.log_text(trajectories_text(sample), f"samples/iter={step:04d}.txt")
+            sess.logger.log_table(replies_table(step, sample, selection.kept[: len(sample)]), REPLIES_TABLE)
         sess.logger.log_artifact(shard, f"rollouts/iteration={step}")  # the run folder's partition name
         page = html_for_iteration(rollouts.trajectories, selection.kept, sess.name, step)
         sess.logger.log_text(page, f"viewer/iteration={step}.html")  # states, thoughts, actions, rewards, kept
@@ -564,7 +568,7 @@ CURVES = ("val/success", "rollout/reward_std_all", "actor/entropy", "actor/grad_
 
 
 def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = True) -> TrainResult:
-    """Curves PNG, the final model (or adapter) as artifacts, a summary; closes the logger."""
+    """Curves PNG, the final model (or adapter) as the run's logged model, a summary; closes the logger."""
     series = {k: [(int(r["iteration"]), float(r[k])) for r in sess.history if k in r] for k in CURVES}
     series[f"env/{sess.cfg.env.label}/success"] = [
         (int(r["iteration"]), float(r[f"env/{sess.cfg.env.label}/success"]))
@@ -581,7 +585,10 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
                 causal_lm(sess.state.models.actor).save_pretrained(final)
         if sess.main:
             sess.tokenizer.save_pretrained(final)
-            sess.logger.log_artifact(final, "model")
+            # a loadable, registrable model (tracking/model_registry.py); a LoRA adapter refers to the base it adapts
+            adapter = (final / "adapter_config.json").is_file()
+            base = resolve_model(base_model_spec(sess.cfg, say=lambda _: None)) if adapter else None
+            sess.logger.log_model(final, "model", base_model=base, step=sess.iteration)
     vals = [r["val/success"] for r in sess.history if "val/success" in r]
     first, last = (vals[0], vals[-1]) if vals else (None, None)
     close = getattr(sess.generator, "close", None)  # a vLLM engine holds its KV cache until shut down
@@ -598,7 +605,6 @@ def finish(sess: Session, tracking_uri: str | None = None, log_model: bool = Tru
     summary = (f"run {sess.name}: {sess.iteration} iterations, val success first {fmt(first)} -> last {fmt(last)}"
                + (f", stopped: {sess.stop_reason}" if sess.stop_reason else "")
                + f"\nrun directory: {sess.run_dir}"
-               + (f"\nbrowse it: mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite") else
-                  f"\nbrowse it: {uri}" if uri else ""))
+               + browse_hint(sess.logger, uri))
     return TrainResult(sess.name, str(sess.run_dir), sess.logger.run_id, sess.iteration, first, last,
                        sess.stop_reason, summary)

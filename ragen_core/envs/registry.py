@@ -31,6 +31,16 @@ class EnvSpec:
     defaults: dict[str, Any] = field(default_factory=dict)
     """Constructor parameters of this variant (SPEC defaults); callers may override any."""
 
+    @property
+    def family(self) -> str:
+        """The game this variant is a variant of: its class name without ``Env`` (Bandit, Sokoban, ...).
+
+        Variants of one game (Bandit, BanditRev, BanditTest) are compared with each other, so tracking
+        puts their runs into one MLflow experiment per family (``ragen-Bandit``).
+        """
+        cls = self.entry_point.rsplit(":", 1)[1]
+        return cls.removesuffix("Env") or cls
+
 
 _REGISTRY: dict[str, EnvSpec] = {}
 # Names used by the paper / reference configs, accepted by make() but not listed.

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["NAMESPACES", "MetricLogger", "NullLogger", "check_metric_names"]
+__all__ = ["NAMESPACES", "MetricLogger", "NullLogger", "check_metric_names", "check_table"]
 
 NAMESPACES: tuple[str, ...] = (
     "env", "rollout", "actor", "critic", "response", "val", "timing", "perf", "health", "collapse",
@@ -49,6 +49,15 @@ def check_metric_names(names: Iterable[str]) -> None:
                 f"metric name {name!r} may only use letters, digits, '_', '-', '.', ' ' and '/' as a "
                 "plain path ('a/b', not 'a//b' or 'a/./b'), at most 250 characters"
             )
+
+
+def check_table(data: dict[str, list[Any]], artifact_file: str) -> None:
+    """Raise ValueError unless ``data`` is columns of equal length and ``artifact_file`` a '.json' path."""
+    if not artifact_file.endswith(".json"):
+        raise ValueError(f"table file {artifact_file!r} must end in '.json' (MLflow's table format)")
+    lengths = {len(v) for v in data.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"table {artifact_file!r}: columns of different lengths {sorted(lengths)}")
 
 
 def check_status(status: str) -> None:
@@ -86,6 +95,18 @@ class MetricLogger(Protocol):
         """Attach ``text`` as the artifact file ``artifact_file`` (e.g. 'samples/iter_0010.txt')."""
         ...
 
+    def log_table(self, data: dict[str, list[Any]], artifact_file: str) -> None:
+        """Append rows (equal-length columns) to the run's table ``artifact_file`` (a '.json' file)."""
+        ...
+
+    def log_model(self, path: Path, name: str = "model", base_model: Path | None = None, step: int = 0) -> None:
+        """Attach a saved model folder as a model the tracking backend can load back and register.
+
+        ``path`` holds a full transformers model, or a peft adapter (adapter_config.json) over ``base_model``;
+        ``step`` is the iteration it comes from.
+        """
+        ...
+
     def flush(self) -> None:
         """Deliver everything recorded so far, if the backend can be reached."""
         ...
@@ -106,6 +127,10 @@ class NullLogger:
         """(step, metrics) per log_metrics call, in call order."""
         self.artifacts: list[tuple[Path, str | None]] = []
         self.texts: dict[str, str] = {}
+        self.tables: dict[str, dict[str, list[Any]]] = {}
+        """artifact file -> columns, rows of every call appended (as the real table grows)."""
+        self.models: list[tuple[Path, str, Path | None, int]] = []
+        """(path, name, base_model, step) per log_model call."""
         self.status: str | None = None
         """None while open; the close() status afterwards."""
 
@@ -133,6 +158,17 @@ class NullLogger:
     def log_text(self, text: str, artifact_file: str) -> None:
         if self.record:
             self.texts[artifact_file] = text
+
+    def log_table(self, data: dict[str, list[Any]], artifact_file: str) -> None:
+        check_table(data, artifact_file)
+        if self.record:
+            table = self.tables.setdefault(artifact_file, {k: [] for k in data})
+            for key, values in data.items():
+                table.setdefault(key, []).extend(values)
+
+    def log_model(self, path: Path, name: str = "model", base_model: Path | None = None, step: int = 0) -> None:
+        if self.record:
+            self.models.append((Path(path), name, None if base_model is None else Path(base_model), int(step)))
 
     def flush(self) -> None:
         pass

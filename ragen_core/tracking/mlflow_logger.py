@@ -19,6 +19,25 @@ start) is created when the server is reachable; ``run_id`` is None until then.
 
 Always the explicit ``run_id`` with ``MlflowClient``, never the fluent active run: it is
 per-thread, and Prefect runs tasks in threads (STYLE.md rule 7).
+
+How runs look in MLflow 3.17's UI (issue 19):
+
+- every experiment the logger creates or opens gets the tag ``mlflow.experimentKind`` =
+  ``custom_model_development`` ("Machine learning"): MLflow 3.x's marker for an experiment of training runs,
+  which the UI opens on its runs (``genai_development`` opens on traces; untagged, the UI guesses from whether
+  the experiment holds traces or runs). The 3.17.2 UI, though, has its workflow switch on (a feature flag
+  that returns true): the kind then comes from the sidebar's GenAI / Machine learning switch (kept per
+  browser, GenAI by default) or from ``?workflowType=machine_learning`` in the address, not from the tag.
+  So :func:`ui_url` links with that parameter, and the tag keeps saying what the experiment is for UIs and
+  tools that read it;
+- the chart view makes one section per metric prefix (``actor``, ``env/Bandit``, ...) sorted by name, each
+  chart sorted by metric name, so the four curves that compare runs (validation success, reward std, entropy,
+  grad norm: RAGEN's Echo Trap signals) would be scattered; :data:`CHART_FIRST` logs them a second time under
+  ``0_compare/`` names that sort first;
+- a nested run (a sweep trial) goes into its parent's experiment, whatever its own config names: MLflow nests
+  runs only within one experiment;
+- tables (``log_table``) and the final model (``log_model``, see :mod:`.model_registry`) go through the
+  outbox like everything else.
 """
 
 from __future__ import annotations
@@ -33,13 +52,14 @@ from typing import TYPE_CHECKING, Any
 
 from ragen_core.config import data_dir
 from ragen_core.store.run_dir import RunDir
-from ragen_core.tracking.logger import check_metric_names, check_status
+from ragen_core.tracking.logger import check_metric_names, check_status, check_table
 from ragen_core.tracking.outbox import Outbox, OutboxMismatch
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-__all__ = ["MLflowLogger", "default_tracking_uri", "deliver_pending"]
+__all__ = ["CHART_FIRST", "EXPERIMENT_KIND", "EXPERIMENT_KIND_TAG", "MLflowLogger", "browse_hint",
+           "default_tracking_uri", "deliver_pending", "ui_url"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +74,26 @@ MAX_PARAMS_TAGS_PER_BATCH = 100
 # Set in os.environ (MLflow reads them per request) only where the user chose nothing.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
 MAX_BACKOFF_FACTOR = 10  # waits grow retry_interval_s x 1, 2, 4, 8, 10, 10, ... during one outage
+
+# MLflow 3.17's UI (mlflow/server/js/build/static/js/main.c2f5f8d4.js): the ExperimentKind enum
+# (GENAI_DEVELOPMENT = "genai_development", CUSTOM_MODEL_DEVELOPMENT = "custom_model_development", ...) and the
+# experiment tag it reads and writes, "mlflow.experimentKind" (no Python constant exists for either).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+CHART_FIRST: dict[str, str] = {
+    "val/success": "0_compare/1_val_success",
+    "rollout/reward_std_all": "0_compare/2_reward_std",
+    "actor/entropy": "0_compare/3_entropy",
+    "actor/grad_norm": "0_compare/4_grad_norm",
+}
+"""Metrics logged a second time under these names, so that they are the first section of MLflow's chart view.
+
+The UI (3.17.2: where main.c2f5f8d4.js builds the default chart set, ``extractChartSectionName``) puts a metric in
+the section named by its key up to the last '/', sorts the sections by name (keys without '/' and system metrics
+last) and the charts by metric key: '0_compare' sorts before every namespace and the digits keep the four in this
+order. Only a chart view not yet arranged by hand: the UI keeps a user's layout per experiment in the browser.
+"""
 
 
 def default_tracking_uri() -> str:
@@ -128,6 +168,7 @@ class MLflowLogger:
         # a restart before the run ever existed creates it as first intended
         self._intent = self._outbox.intent or {"experiment": experiment_name, "run_name": run_name, "tags": {}}
         self._client: MlflowClient | None = None
+        self._experiment: str | None = None  # the run's experiment id, once the run exists
         self._params: dict[str, str] | None = None  # params already on the server (immutable there)
         self._lock = threading.RLock()
         self._failures = 0  # consecutive failed attempts (0 = healthy)
@@ -166,6 +207,11 @@ class MLflowLogger:
         return f"{self.tracking_uri.rstrip('/')}/#/experiments/{experiment}/runs/{self._run_id}"
 
     @property
+    def experiment_id(self) -> str | None:
+        """The id of the run's experiment; None until the run exists on the server."""
+        return self._experiment
+
+    @property
     def outbox_path(self) -> Path:
         return self._outbox.path
 
@@ -185,10 +231,12 @@ class MLflowLogger:
             self._record({"kind": "tags", "tags": dict(items[i : i + MAX_PARAMS_TAGS_PER_BATCH])})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Namespaced metrics for one step, plus the :data:`CHART_FIRST` copies of those it names."""
         check_metric_names(metrics)
         items = [(k, float(v)) for k, v in metrics.items() if (k, int(step)) not in self._logged]
         if self._once_per_step:
             self._logged.update((k, int(step)) for k, _ in items)
+        items += [(CHART_FIRST[k], v) for k, v in items if k in CHART_FIRST]
         ts = _now_ms()  # taken now, so late delivery keeps the true wall-clock time
         for i in range(0, len(items), MAX_METRICS_PER_BATCH):
             chunk = dict(items[i : i + MAX_METRICS_PER_BATCH])
@@ -200,6 +248,23 @@ class MLflowLogger:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self._record({"kind": "text", "text": text, "artifact_file": artifact_file})
+
+    def log_table(self, data: dict[str, list[Any]], artifact_file: str) -> None:
+        """Rows appended to the run's table ``artifact_file`` (``MlflowClient.log_table``); JSON-able values only.
+
+        Delivery appends; an entry is sent once, except when the process dies between the upload and the
+        outbox's note of it, when the next delivery appends those rows again.
+        """
+        check_table(data, artifact_file)
+        self._record({"kind": "table", "data": data, "artifact_file": artifact_file})
+
+    def log_model(self, path: Path, name: str = "model", base_model: Path | None = None, step: int = 0) -> None:
+        """The saved model in ``path`` as the run's logged model (see :func:`.model_registry.log_model_dir`).
+
+        Only the paths are queued: the folders must still exist at delivery.
+        """
+        self._record({"kind": "model", "path": str(Path(path).resolve()), "name": name, "step": int(step),
+                      "base_model": None if base_model is None else str(Path(base_model).resolve())})
 
     def flush(self) -> None:
         self._deliver(force=True)
@@ -262,25 +327,36 @@ class MLflowLogger:
                 self._experiment_id(), run_name=self._intent["run_name"], tags=self._intent["tags"]
             )
             self._run_id = run.info.run_id
+            self._experiment = run.info.experiment_id
             self._outbox.set_run_id(self._run_id)
             self._params = {}
         elif self._params is None:
-            self._params = dict(self._client.get_run(self._run_id).data.params)
+            run = self._client.get_run(self._run_id)
+            self._experiment = run.info.experiment_id
+            self._params = dict(run.data.params)
 
     def _experiment_id(self) -> str:
+        """The experiment the new run goes into: its parent's (a nested run), else the named one (made if new)."""
         assert self._client is not None
+        parent = self._intent["tags"].get("mlflow.parentRunId")
+        if parent:
+            return str(self._client.get_run(parent).info.experiment_id)
         exp = self._client.get_experiment_by_name(self.experiment_name)
         if exp is not None:
-            return exp.experiment_id
+            if exp.tags.get(EXPERIMENT_KIND_TAG) is None:  # a kind somebody chose in the UI is left alone
+                self._client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+            return str(exp.experiment_id)
         try:
-            return self._client.create_experiment(
-                self.experiment_name, artifact_location=_artifact_location(self.tracking_uri, self.experiment_name)
+            exp_id = self._client.create_experiment(
+                self.experiment_name, artifact_location=_artifact_location(self.tracking_uri, self.experiment_name),
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
             )
         except Exception:  # another process created it in between
             exp = self._client.get_experiment_by_name(self.experiment_name)
             if exp is None:
                 raise
-            return exp.experiment_id
+            return str(exp.experiment_id)
+        return str(exp_id)
 
     def _send_pending(self) -> None:
         """Send pending entries in order, batched; raises on an outage, sets refused entries aside."""
@@ -342,10 +418,27 @@ class MLflowLogger:
                     tags=[RunTag(k, v) for k, v in tags.items()],
                 )
             self._params.update(params)
-        elif kind == "text":
-            client.log_text(run_id, entries[0]["text"], entries[0]["artifact_file"])
+        else:
+            self._send_one(client, run_id, entries[0])
+
+    def _send_one(self, client: MlflowClient, run_id: str, e: dict[str, Any]) -> None:
+        """Deliver one non-batchable entry: a text, table, model, artifact or status change."""
+        kind = e["kind"]
+        if kind == "text":
+            client.log_text(run_id, e["text"], e["artifact_file"])
+        elif kind == "table":
+            import pandas as pd  # lazily, like mlflow: only a run that logs tables needs it
+
+            client.log_table(run_id, pd.DataFrame(e["data"]), e["artifact_file"])
+        elif kind == "model":
+            from ragen_core.tracking.model_registry import log_model_dir  # loads mlflow.transformers: only here
+
+            if not Path(e["path"]).exists():
+                raise _Refused(f"model folder {e['path']} no longer exists")
+            log_model_dir(self.tracking_uri, run_id, Path(e["path"]), e["name"],
+                          Path(e["base_model"]) if e.get("base_model") else None, e["step"])
         elif kind == "artifact":
-            path, dest = Path(entries[0]["path"]), entries[0]["artifact_path"]
+            path, dest = Path(e["path"]), e["artifact_path"]
             if not path.exists():
                 raise _Refused(f"artifact {path} no longer exists")
             if path.is_dir():
@@ -353,10 +446,10 @@ class MLflowLogger:
             else:
                 client.log_artifact(run_id, str(path), dest)
         elif kind == "status":
-            if entries[0]["status"] == "RUNNING":
+            if e["status"] == "RUNNING":
                 client.update_run(run_id, status="RUNNING")
             else:
-                client.set_terminated(run_id, entries[0]["status"], end_time=entries[0]["ts"])
+                client.set_terminated(run_id, e["status"], end_time=e["ts"])
         else:
             raise _Refused(f"unknown outbox entry kind {kind!r}")
 
@@ -434,6 +527,35 @@ def _artifact_location(tracking_uri: str, experiment_name: str) -> str | None:
     db = Path(tracking_uri[len("sqlite:///"):]).expanduser().resolve()
     safe = re.sub(r"[^\w.\-]+", "_", experiment_name)
     return (db.parent / "mlartifacts" / safe).as_uri()
+
+
+def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None, base: str | None = None) -> str:
+    """The address of an experiment's runs (or of one run) in the MLflow UI, opened as training runs.
+
+    ``base`` is the UI's address; by default the tracking URI itself when it is a server, else what
+    ``mlflow ui`` serves (http://127.0.0.1:5000). The ``workflowType=machine_learning`` parameter is what makes
+    MLflow 3.17's UI show the runs view rather than the GenAI overview (see the module docstring).
+    """
+    if base is None:
+        base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    page = f"experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
+    return f"{base.rstrip('/')}/#/{page}?workflowType=machine_learning"
+
+
+def browse_hint(logger: object, tracking_uri: str) -> str:
+    """The summary's last line: how to look at the run (``mlflow ui`` for a local store, then its address).
+
+    Any logger; only an MLflowLogger whose run exists has an experiment to link to.
+    """
+    if not tracking_uri:
+        return ""
+    exp, run_id = getattr(logger, "experiment_id", None), getattr(logger, "run_id", None)
+    local = tracking_uri.startswith("sqlite")
+    line = f"\nbrowse it: mlflow ui --backend-store-uri {tracking_uri}" if local else f"\nbrowse it: {tracking_uri}"
+    if exp is None:
+        return line
+    url = ui_url(tracking_uri, str(exp), run_id)
+    return f"{line}, then {url}" if local else f"\nbrowse it: {url}"
 
 
 def _now_ms() -> int:

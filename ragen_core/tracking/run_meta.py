@@ -1,19 +1,28 @@
-"""What describes a run besides its metrics: config params, the config YAML, tags, sample text.
+"""What describes a run besides its metrics: its name and experiment, config params, the config YAML, tags,
+sample text and the table of sampled replies.
 
     from ragen_core.tracking import log_config, run_tags, trajectories_text
+    default_run_name(cfg)                         # 'starpo-s-Bandit-s0-20261125-120000'
+    experiment_name(cfg)                          # 'ragen-Bandit' unless tracking.experiment names one
     log_config(logger, cfg)                       # params (dotted keys) + config.yaml artifact
     logger.set_tags(run_tags(algo=cfg.algo_tag, env="Bandit", estimator="gae",
                              preset=cfg.preset, model=cfg.model.name, git_commit=git_commit()))
+    logger.set_tags(source_tags("experiments/smoke.yaml"))   # user, source, the file's header as the description
     logger.log_text(trajectories_text(trajs[:4]), "samples/iter_0010.txt")
+    logger.log_table(replies_table(10, trajs[:4], kept[:4]), REPLIES_TABLE)
 
-Pure functions over plain data (plus ``git_commit``, which asks git), no MLflow.
+Pure functions over plain data (plus ``git_commit``, which asks git, and ``source_tags``, which reads the
+experiment file), no MLflow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import getpass
+import re
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,22 +30,112 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
+    from ragen_core.config import ExperimentConfig
     from ragen_core.tracking.logger import MetricLogger
     from ragen_core.types import Trajectory
 
 __all__ = [
     "ALGOS",
     "MAX_PARAM_LENGTH",
+    "REPLIES_TABLE",
     "config_yaml",
+    "default_run_name",
+    "env_family",
+    "experiment_name",
     "flatten_config",
     "git_commit",
+    "header_comment",
     "log_config",
+    "replies_table",
     "run_tags",
+    "source_tags",
     "trajectories_text",
 ]
 
 ALGOS = ("starpo", "starpo-s", "grpo")
 MAX_PARAM_LENGTH = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH: longer values are refused
+MAX_TAG_LENGTH = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
+REPLIES_TABLE = "replies.json"
+"""The run's table of sampled replies (one file, rows appended per artifact step: see :func:`replies_table`)."""
+
+
+def default_run_name(cfg: ExperimentConfig, when: float | None = None) -> str:
+    """``<preset>-<env>-s<seed>-<time>``, e.g. ``starpo-s-Bandit-s0-20261125-120000``: what a run list needs to
+    tell runs apart at a glance. A ``custom`` preset is named by what the config does (``cfg.algo_tag``).
+
+    The same name is the run's folder and its MLflow run name, so ``ragen eval/compare RUN`` take either.
+    """
+    preset = cfg.algo_tag if cfg.preset == "custom" else cfg.preset
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
+    return _safe(f"{preset}-{cfg.env.label}-s{cfg.trainer.seed}-{stamp}")
+
+
+def env_family(env_name: str) -> str:
+    """The game an env variant belongs to (``BanditRev`` -> ``Bandit``); an unknown name is its own family."""
+    from ragen_core.envs.registry import env_spec  # the registry imports no game code: cheap
+
+    try:
+        return env_spec(env_name).family
+    except KeyError:
+        return env_name
+
+
+def experiment_name(cfg: ExperimentConfig) -> str:
+    """``tracking.experiment`` when set, else one experiment per env family: ``ragen-Bandit``, ``ragen-Sokoban``.
+
+    Why per family: MLflow's chart and table views compare the runs of one experiment, and runs of one game
+    are the ones worth comparing (StarPO vs StarPO-S, seeds); Sokoban curves beside Bandit ones are noise.
+    """
+    return cfg.tracking.experiment or f"ragen-{_safe(env_family(cfg.env.name))}"
+
+
+def _safe(text: str) -> str:
+    """``text`` as a plain folder and run name: anything but letters, digits, '.', '_' and '-' becomes '_'."""
+    return re.sub(r"[^\w.\-]+", "_", text)
+
+
+def header_comment(path: str | Path) -> str:
+    """The leading ``#`` lines of a YAML file, without the ``#`` (and one space): the experiment's own description.
+
+    Every experiment file starts by saying what it runs and why (its size, what the paper reports); that text is
+    the run's description in MLflow (``mlflow.note.content``). Empty when the file has no header or is unreadable.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return ""
+    out = []
+    for line in lines:
+        if not line.startswith("#"):
+            break
+        text = line[1:]
+        out.append(text[1:] if text.startswith(" ") else text)
+    return "\n".join(out).strip("\n")[:MAX_TAG_LENGTH]
+
+
+def source_tags(experiment_file: str | Path | None = None) -> dict[str, str]:
+    """MLflow's standard tags that a client-created run lacks: who ran it, from what, and its description.
+
+    ``MlflowClient.create_run`` sets none of them (only the fluent ``mlflow.start_run`` does), so the UI's
+    User and Source columns would be empty. The source is the experiment file (relative to the working
+    directory when inside it): that file, not a script, is what a ragen run is made from.
+    """
+    tags = {"mlflow.source.type": "LOCAL"}
+    try:
+        tags["mlflow.user"] = getpass.getuser()
+    except (KeyError, OSError):  # no user name in the environment or the password database (some containers)
+        pass
+    if experiment_file is not None:
+        path = Path(experiment_file)
+        try:
+            shown = path.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            shown = path
+        tags["mlflow.source.name"] = str(shown)
+        note = header_comment(path)
+        if note:
+            tags["mlflow.note.content"] = note
+    return tags
 
 
 def _plain(value: Any) -> Any:
@@ -125,6 +224,32 @@ def git_commit(repo_dir: Path | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def replies_table(iteration: int, trajectories: Sequence[Trajectory], kept: Sequence[bool] | None = None,
+                  ) -> dict[str, list[Any]]:
+    """Sampled replies as table columns, one row per turn, for ``MetricLogger.log_table``.
+
+    Columns: iteration, env_seed (the seed of the initial state), group, member, turn, state (the text the
+    model saw), reply, actions, reward (the turn's env reward plus format penalty), return (the trajectory's),
+    success, kept (the StarPO-S filter kept its group). Why a table and not text: MLflow's artifact view lines
+    up the same table of several runs by its columns, so a StarPO and a StarPO-S run started from the same
+    seed (training seeds depend on the iteration, not the preset) show their replies to the same states side
+    by side.
+    """
+    cols: dict[str, list[Any]] = {k: [] for k in ("iteration", "env_seed", "group", "member", "turn", "state",
+                                                   "reply", "actions", "reward", "return", "success", "kept")}
+    for n, traj in enumerate(trajectories):
+        member = traj.meta.get("member", n)
+        for k, turn in enumerate(traj.turns, start=1):
+            row = {"iteration": int(iteration), "env_seed": int(traj.seed), "group": int(traj.group_id),
+                   "member": int(member), "turn": k, "state": turn.observation, "reply": turn.response_text,
+                   "actions": " || ".join(turn.actions), "reward": float(turn.reward + turn.penalty),
+                   "return": float(traj.total_return), "success": bool(traj.success),
+                   "kept": bool(kept[n]) if kept is not None and n < len(kept) else None}
+            for key, value in row.items():
+                cols[key].append(value)
+    return cols
 
 
 def trajectories_text(trajectories: Sequence[Trajectory]) -> str:

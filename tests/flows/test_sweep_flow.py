@@ -67,6 +67,8 @@ def test_nested_runs_are_tagged_and_the_parent_has_the_results(smoke_sweep) -> N
     parent_id = study.user_attrs["mlflow_parent_run_id"]
     parent = client.get_run(parent_id)
     assert parent.info.run_name == "smoke-grid" and parent.info.status == "FINISHED"
+    # the base experiment's env family's experiment; the trials are nested in it below
+    assert client.get_experiment(parent.info.experiment_id).name == "ragen-Bandit"
     best = study.best_trial
     assert parent.data.params["best.responses_per_prompt"] == str(best.params["responses_per_prompt"])
     assert parent.data.tags["best_trial"] == str(best.number) and parent.data.tags["study"] == "smoke-grid"

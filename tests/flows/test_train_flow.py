@@ -1,18 +1,33 @@
 """The training flow end to end on the tiny model: iterations, MLflow metrics/tags/artifacts,
-readable shards, checkpoints, and resume continuing the same MLflow run."""
+readable shards, checkpoints, and resume continuing the same MLflow run; how the run looks in MLflow
+(issue 19: experiment, names, tags, charts, replies table, the logged and registered model) and that it
+ends FINISHED, FAILED or KILLED as the flow did."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.train import train
+from ragen_core import session
+from ragen_core.config import load_experiment
 from ragen_core.store import read_run
+from ragen_core.tracking.model_registry import load_logged_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "experiments" / "smoke.yaml")
@@ -77,8 +92,73 @@ def test_metrics_tags_and_artifacts_in_mlflow(smoke_run) -> None:
     assert any(a.startswith("rollouts/iteration=") and a.endswith(".parquet") for a in arts)
     assert {"viewer/iteration=0.html", "viewer/iteration=1.html"} <= arts  # the trajectory viewer's pages
     assert any(a.startswith("plots/") and a.endswith(".png") for a in arts)
-    assert any(a.startswith("model/") for a in arts)
     assert run.info.status == "FINISHED"
+
+
+def test_run_opens_as_training_runs_in_its_env_familys_experiment(smoke_run) -> None:
+    data, result = smoke_run
+    client = MlflowClient(_uri(data))
+    exp = client.get_experiment(client.get_run(result.mlflow_run_id).info.experiment_id)
+    assert exp.name == "ragen-Bandit"
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert f"/#/experiments/{exp.experiment_id}/runs/{result.mlflow_run_id}?workflowType=machine_learning" in (
+        result.summary)
+
+
+def test_standard_tags_and_the_experiment_files_header_as_description(smoke_run) -> None:
+    data, result = smoke_run
+    tags = MlflowClient(_uri(data)).get_run(result.mlflow_run_id).data.tags
+    assert tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL"
+    assert tags["mlflow.source.name"].endswith("experiments/smoke.yaml")
+    assert tags["mlflow.note.content"].startswith("Smoke: the whole pipeline on the tiny random model")
+    assert (tags["seed"], tags["name"], tags["preset"], tags["env"], tags["model"]) == (
+        "0", "smoke", "starpo-s", "Bandit", "tiny-random")
+
+
+def test_comparison_curves_come_first_in_the_chart_view(smoke_run) -> None:
+    data, result = smoke_run
+    client = MlflowClient(_uri(data))
+    names = set(client.get_run(result.mlflow_run_id).data.metrics)
+    assert sorted({n.rsplit("/", 1)[0] for n in names})[0] == "0_compare"  # the UI's first section
+    pairs = [("val/success", "0_compare/1_val_success"), ("rollout/reward_std_all", "0_compare/2_reward_std"),
+             ("actor/entropy", "0_compare/3_entropy"), ("actor/grad_norm", "0_compare/4_grad_norm")]
+    for source, alias in pairs:
+        a, b = (sorted((m.step, m.value) for m in client.get_metric_history(result.mlflow_run_id, k))
+                for k in (source, alias))
+        assert a == b and a, alias
+
+
+def test_sampled_replies_are_a_table_matching_the_shards(smoke_run, tmp_path) -> None:
+    data, result = smoke_run
+    client = MlflowClient(_uri(data))
+    run = client.get_run(result.mlflow_run_id)
+    assert {"path": "replies.json", "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    table = pd.read_json(client.download_artifacts(run.info.run_id, "replies.json", str(tmp_path)), orient="split")
+    # artifact_every 1, sample_trajectories 2, one turn each: two rows per iteration
+    assert table["iteration"].tolist() == [0, 0, 1, 1] and set(table["turn"]) == {1}
+    shards = read_run(result.run_dir)
+    for _, row in table.iterrows():
+        shard = shards[(shards["iteration"] == row["iteration"]) & (shards["seed"] == row["env_seed"])
+                       & (shards["group_id"] == row["group"])].iloc[int(row["member"])]
+        assert bool(shard["kept"]) == bool(row["kept"])
+    assert table["reply"].map(len).gt(0).all() and table["state"].str.len().gt(0).all()
+
+
+def test_final_model_loads_back_and_registers(smoke_run) -> None:
+    data, result = smoke_run
+    model, tokenizer = load_logged_model(_uri(data), result.run_name)
+    saved = load_file(Path(result.run_dir) / "final-model" / "model.safetensors")
+    state = model.state_dict()
+    assert saved and all(torch.equal(state[k], saved[k]) for k in saved)
+    assert tokenizer("Dragon").input_ids
+    out = CliRunner().invoke(app, ["model", "register", result.run_name])
+    assert out.exit_code == 0, out.output
+    assert "registered ragen-Bandit-starpo-s version 1" in out.output
+    client = MlflowClient(_uri(data))
+    [version] = client.search_model_versions("name = 'ragen-Bandit-starpo-s'")
+    assert version.run_id == result.mlflow_run_id and version.source.startswith("models:/m-")
+    bad = CliRunner().invoke(app, ["model", "register", "no-such-run"])
+    assert bad.exit_code == 2 and "no MLflow run" in bad.output
 
 
 def test_shards_are_readable(smoke_run) -> None:
@@ -97,6 +177,68 @@ def test_resume_continues_the_same_mlflow_run(smoke_run) -> None:
     steps = [m.step for m in client.get_metric_history(first.mlflow_run_id, "actor/grad_norm")]
     assert steps == [0, 1, 2]
     assert len(client.search_runs([client.get_run(first.mlflow_run_id).info.experiment_id])) == 1
+
+
+def test_a_lora_runs_final_model_is_its_adapter_over_the_base(data_dir) -> None:
+    from peft import PeftModel
+
+    from ragen_core.evaluation import load_policy
+
+    result = train(experiment=SMOKE, run_name="lora", overrides=[
+        "model.lora_rank=4", "model.lora_alpha=8", "trainer.iterations=1", "eval.every=0", "trainer.checkpoint_every=0",
+        "tracking.artifact_every=0"])
+    model, _ = load_logged_model(_uri(data_dir), "lora")
+    assert isinstance(model, PeftModel)
+    policy, _ = load_policy(load_experiment(Path(result.run_dir) / "config.yaml"),
+                            Path(result.run_dir) / "final-model")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(ids).logits, policy(ids).logits)
+
+
+def test_a_flow_that_raises_ends_its_run_failed(data_dir, monkeypatch) -> None:
+    """Also: a run without --run-name is named <preset>-<env>-s<seed>-<time>, its folder too."""
+
+    def boom(sess, selection):
+        raise RuntimeError("update exploded")
+
+    monkeypatch.setattr(session, "update_policy", boom)
+    with pytest.raises(RuntimeError, match="update exploded"):
+        train(experiment=SMOKE, overrides=["trainer.seed=7"])
+    client = MlflowClient(_uri(data_dir))
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and run.data.tags["error"] == "RuntimeError: update exploded"
+    [folder] = (data_dir / "runs").iterdir()
+    assert re.fullmatch(r"starpo-s-Bandit-s7-\d{8}-\d{6}", folder.name), folder.name
+    assert run.info.run_name == folder.name
+
+
+def test_ragen_train_sent_sigterm_ends_its_run_killed(data_dir, tmp_path) -> None:
+    """SIGTERM is how Prefect cancels a flow run: the process stops and the MLflow run says KILLED."""
+    with get_client(sync_client=True) as client:  # the test harness's API: no second server to start
+        api = str(client.api_url).rstrip("/")
+    env = {**os.environ, "PREFECT_API_URL": api, "RAGEN_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
+    state = data_dir / "runs" / "term" / "tracking-outbox.state.json"
+    with open(tmp_path / "train.log", "w") as log:
+        # `-m flows.cli` from the repository root: this checkout's code, as sweep workers start
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", SMOKE, "--run-name", "term",
+                                 "--set", "trainer.iterations=200"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not (state.exists() and json.loads(state.read_text()).get("run_id")):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "train.log").read_text()
+                time.sleep(0.2)
+            os.kill(proc.pid, signal.SIGTERM)
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    output = (tmp_path / "train.log").read_text()
+    assert rc == -signal.SIGTERM, output[-3000:]  # the process still ends by the signal (a job's status says so)
+    run = MlflowClient(_uri(data_dir)).get_run(json.loads(state.read_text())["run_id"])
+    assert run.info.status == "KILLED", output[-3000:]
+    assert run.data.tags["error"].startswith("TerminationSignal")
 
 
 def test_resumed_run_matches_an_unbroken_one(data_dir) -> None:

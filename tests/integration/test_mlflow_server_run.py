@@ -1,7 +1,8 @@
 """The training flow against a real `mlflow server` on 127.0.0.1: a team's tracking set-up.
 
 1. The smoke experiment with ``tracking.uri`` set to the server: the run arrives with its
-   params, tags, namespaced metrics and artifacts (config.yaml, samples, plots, model).
+   params, tags, namespaced metrics and artifacts (config.yaml, samples, plots, the replies table) and its
+   logged model.
 2. The server is SIGKILLed right after the first iteration is recorded and restarted on the
    same port and store: training goes on, and after the run every metric of every
    iteration is on the server exactly once (what close() could not deliver is delivered
@@ -77,7 +78,7 @@ def test_smoke_run_arrives_on_mlflow_server(
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "it-server"
-    assert client.get_experiment(run.info.experiment_id).name == "ragen"
+    assert client.get_experiment(run.info.experiment_id).name == "ragen-Bandit"  # one experiment per env family
 
     tags = run.data.tags
     assert {k: tags[k] for k in ("algo", "env", "estimator", "preset", "model")} == {
@@ -95,7 +96,11 @@ def test_smoke_run_arrives_on_mlflow_server(
     assert metrics["actor/entropy"] == pytest.approx(trained[0]["actor/entropy"])
 
     top = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "samples", "plots", "model"} <= top, top
+    assert {"config.yaml", "samples", "plots", "replies.json"} <= top, top
+    # the final model is the run's logged model (MLflow 3: beside the run's artifacts), stored by the server too
+    [output] = run.outputs.model_outputs
+    assert client.get_logged_model(output.model_id).name == "model"
+    assert any((mlflow_server.root / "artifacts").rglob("MLmodel"))
     assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/curves.png"]
     assert client.list_artifacts(run.info.run_id, "samples")
     cfg_file = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
@@ -180,4 +185,7 @@ def test_server_killed_mid_run_no_metric_lost_or_doubled(
         assert set(want) <= set(got), f"{key}: steps {sorted(set(want) - set(got))} lost"
         assert all(got[s] == pytest.approx(v, nan_ok=True) for s, v in want.items()), key
     assert run.data.params["trainer.iterations"] == "2"
-    assert {"config.yaml", "samples", "plots", "model"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    top = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "samples", "plots", "replies.json"} <= top, top
+    [output] = run.outputs.model_outputs  # the final model, logged once, through the outbox
+    assert client.get_logged_model(output.model_id).name == "model"

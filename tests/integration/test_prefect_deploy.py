@@ -137,14 +137,14 @@ def test_deploy_all_worker_runs_train_deployment(prefect_server: PrefectServer, 
 
     # the run wrote where the deployment's job variables said, not where the worker would have
     run_dirs = list((data_dir / "runs").iterdir())
-    assert len(run_dirs) == 1 and run_dirs[0].name.startswith("smoke-")
+    assert len(run_dirs) == 1 and run_dirs[0].name.startswith("starpo-s-Bandit-s0-")
     history = [json.loads(line) for line in (run_dirs[0] / "history.jsonl").read_text().splitlines()]
     assert [h["iteration"] for h in history if "rollout/success" in h] == [0]  # one training iteration
     assert (run_dirs[0] / "config.yaml").is_file() and any((run_dirs[0] / "checkpoints").iterdir())
     assert not (worker_dir / "data").exists() and not (REPO / "mlflow.db").exists()
 
     client = MlflowClient(mlflow_uri)
-    mruns = client.search_runs([client.get_experiment_by_name("ragen").experiment_id])
+    mruns = client.search_runs([client.get_experiment_by_name("ragen-Bandit").experiment_id])
     assert len(mruns) == 1
     mrun = mruns[0]
     assert mrun.info.status == "FINISHED" and mrun.info.run_name == run_dirs[0].name

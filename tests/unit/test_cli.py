@@ -12,7 +12,7 @@ from flows.cli import app
 
 runner = CliRunner()
 SUBCOMMANDS = [["train"], ["eval"], ["sweep"], ["compare"], ["envs"], ["play"], ["demo"],
-               ["model"], ["model", "fetch"], ["model", "warmup"]]
+               ["model"], ["model", "fetch"], ["model", "warmup"], ["model", "register"]]
 
 
 @pytest.mark.parametrize("cmd", SUBCOMMANDS, ids=" ".join)
