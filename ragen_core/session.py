@@ -486,11 +486,11 @@ def save_run_checkpoint(sess: Session) -> Path:
     Every rank gathers (ZeRO partitions), rank 0 writes.
     """
     target = sess.folder.checkpoint_path(sess.iteration)
-    save_checkpoint(sess.state, target, write=sess.main)
+    health = json.dumps({"echo": sess.monitor.state_dict(), "rules": sess.rules.state_dict(),
+                         "collapse_ema": sess.collapse_ema})
+    # health.json goes in with the rest: a kill after the rename must not leave a checkpoint without it
+    save_checkpoint(sess.state, target, write=sess.main, extra_files={"health.json": health})
     if sess.main:
-        (target / "health.json").write_text(json.dumps({"echo": sess.monitor.state_dict(),
-                                                        "rules": sess.rules.state_dict(),
-                                                        "collapse_ema": sess.collapse_ema}))
         sess.folder.prune_checkpoints(keep=CHECKPOINTS_KEPT)
     return target
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from ragen_core import distributed
 from ragen_core.config import ExperimentConfig, to_dict
+from ragen_core.store.files import fsync_dir, fsync_file
 from ragen_core.trainer.state import TrainState, init_state
 
 __all__ = ["CHECKPOINT_FORMAT", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
@@ -121,11 +122,15 @@ def _model_facts(cfg: ExperimentConfig) -> dict[str, Any]:
     return {"lora_rank": cfg.model.lora_rank, "lora_target": cfg.model.lora_target, "critic": cfg.algorithm.critic}
 
 
-def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], write: bool | None = None) -> Path:
+def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], write: bool | None = None,
+                    extra_files: dict[str, str] | None = None) -> Path:
     """Write ``state`` (and the global RNG states) to ``directory`` atomically; returns the directory.
 
     In a multi-process run every rank calls it (gathering ZeRO partitions is a collective) and only the one
     that writes (``write``; default: rank 0) touches the disk: the ranks hold the same state.
+    ``extra_files`` (name -> text, e.g. the session's health.json) are published with it, in the same rename.
+    Durable as well as atomic: every file and the folder are fsynced before the rename that publishes them,
+    and state.json, written last, lists every file's size (store.run_dir.checkpoint_problem checks them).
     """
     target = Path(directory)
     m = state.models
@@ -147,13 +152,21 @@ def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], write:
             save_file(critic, tmp / "critic.safetensors")
         torch.save(engines, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         meta = {"format": CHECKPOINT_FORMAT, "iteration": state.iteration, "env_seed_counter": state.env_seed_counter,
-                "model": state.cfg.model.name, **_model_facts(state.cfg), "config": to_dict(state.cfg)}
+                "model": state.cfg.model.name, **_model_facts(state.cfg), "config": to_dict(state.cfg),
+                "files": files}
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+        for path in tmp.iterdir():
+            fsync_file(path)
+        fsync_dir(tmp)
         old = target.with_name(f".old-{target.name}-{os.getpid()}")
         if target.exists():  # os.replace cannot overwrite a non-empty directory: move the old one aside
             os.replace(target, old)
         os.replace(tmp, target)
+        fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -162,3 +162,19 @@ def test_another_base_architecture_is_refused_by_shape(tmp_path: Path) -> None:
     save_file(tensors, target / "critic.safetensors")
     with pytest.raises(ValueError, match="shape"):
         load_checkpoint(target, cfg)
+
+
+def test_checkpoint_lists_its_files_and_publishes_extra_files_with_them(tmp_path: Path) -> None:
+    """Issue 20: state.json (written last) lists every file's size, so a copy or disk cut short is told from a
+    whole checkpoint; the session's health.json goes in before the rename, not after it."""
+    from ragen_core.store.run_dir import checkpoint_problem
+
+    state = init_state(make_cfg("starpo"))
+    ckpt = save_checkpoint(state, tmp_path / "iter=000001", extra_files={"health.json": '{"echo": {}}'})
+    meta = json.loads((ckpt / "state.json").read_text())
+    assert set(meta["files"]) == {p.name for p in ckpt.iterdir()} - {"state.json"}
+    assert "health.json" in meta["files"] and checkpoint_problem(ckpt) is None
+    rng = ckpt / "rng.pt"
+    rng.write_bytes(rng.read_bytes() + b"\0")  # wrong size: caught by the listing even where the zip still reads
+    assert "rng.pt" in (checkpoint_problem(ckpt) or "")
+    assert not list(tmp_path.glob(".tmp-*"))
