@@ -193,7 +193,12 @@ class DeepSpeedEngine:
             "gradient_accumulation_steps": 1,  # our update accumulates and normalises; see the module docstring
             "managed_gradient_accumulation": False,  # step() is the boundary, whatever the micro-batch count
             "gradient_clipping": grad_clip if zero_stage > 0 else 0.0,
-            "zero_optimization": {**extra.get("zero_optimization", {}), "stage": zero_stage},
+            # memory_efficient_linear off: under ZeRO-3 DeepSpeed otherwise replaces torch.nn.functional.linear
+            # for the whole process, for good ("This will persist unless manually reset"). A later run in the
+            # same process (a test suite, a sweep worker) then computes differently: measured 7.5e-5 on the
+            # 1- vs 2-process weights of tests/flows/test_train_ranks.py after a ZeRO-3 test had run.
+            "zero_optimization": {"memory_efficient_linear": False, **extra.get("zero_optimization", {}),
+                                  "stage": zero_stage},
             "steps_per_print": extra.get("steps_per_print", 2**62),
             "wall_clock_breakdown": extra.get("wall_clock_breakdown", False),
         }

@@ -101,7 +101,8 @@ def test_deploy_all_worker_runs_train_deployment(prefect_server: PrefectServer, 
         assert dep.work_pool_name == "gpu-pool" and dep.entrypoint == DEPLOYMENTS[name][0]
         assert dep.job_variables["env"]["RAGEN_DATA_DIR"] == str(data_dir)  # read from the deployer's shell
         assert dep.job_variables["env"]["MLFLOW_TRACKING_URI"] == mlflow_uri
-        assert dep.job_variables["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+        nproc = dep.parameters.get("nproc", 1)
+        assert dep.job_variables["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(nproc)))
         # RAGEN_HOME was unset: the placeholder waits for the worker's environment
         assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory":
                                    {"directory": "{{ $RAGEN_HOME }}"}}]

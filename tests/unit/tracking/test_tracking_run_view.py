@@ -52,8 +52,8 @@ def test_default_run_name_says_preset_env_and_seed() -> None:
     assert re.fullmatch(r"starpo-s-Bandit-s3-\d{8}-\d{6}", name), name
     assert default_run_name(load_experiment(SMOKE, ["preset=starpo"]), when).startswith("starpo-Bandit-s0-")
     # a custom preset is named by what the config does
-    custom = load_experiment(SMOKE, ["preset=custom", "algorithm.estimator=grpo", "env.tag=Bandit Rev/2"])
-    assert default_run_name(custom, when).startswith("grpo-Bandit_Rev_2-s0-")  # a plain folder name
+    custom = load_experiment(SMOKE, ["preset=custom", "algorithm.estimator=grpo", "env.tag=Bandit.Rev_2"])
+    assert default_run_name(custom, when).startswith("grpo-Bandit.Rev_2-s0-")  # a plain folder name
 
 
 def test_one_experiment_per_env_family_unless_one_is_named() -> None:
