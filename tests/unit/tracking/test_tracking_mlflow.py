@@ -22,19 +22,6 @@ from ragen_core.tracking import MLflowLogger, default_tracking_uri, deliver_pend
 from ragen_core.tracking.mlflow_logger import log as tracking_log
 
 
-@pytest.fixture(scope="module")
-def uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    # one database for the module: creating a fresh MLflow schema costs ~1.5 s
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
-
-
-@pytest.fixture(autouse=True)
-def _restore_http_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    # MLflowLogger sets short HTTP defaults in os.environ; undo after each test
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
-
-
 class Sent:
     """Counts successful log_batch calls and every metric point that reached the store."""
 

@@ -88,12 +88,3 @@ def test_an_installed_sigterm_handler_is_left_alone() -> None:
         signal.signal(signal.SIGTERM, before)
 
 
-@pytest.fixture(scope="module")
-def uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
-
-
-@pytest.fixture(autouse=True)
-def _restore_http_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)

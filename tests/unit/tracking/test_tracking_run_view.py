@@ -31,17 +31,6 @@ ROOT = Path(__file__).resolve().parents[3]
 SMOKE = ROOT / "experiments" / "smoke.yaml"
 
 
-@pytest.fixture(scope="module")
-def uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
-
-
-@pytest.fixture(autouse=True)
-def _restore_http_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
-
-
 # --------------------------------------------------------------------------- names and experiments
 
 
