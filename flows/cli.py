@@ -113,7 +113,8 @@ def train(
                             resume=resume, run_name=run_name, nproc=nproc)
     except ConfigError as e:  # found once the run's saved config is read (a resume) or a sweep trial
         _fail(str(e))
-    console.print(result.summary if hasattr(result, "summary") else result)
+    # soft_wrap: the run's address stays one line a terminal can open, however narrow the console
+    console.print(result.summary if hasattr(result, "summary") else result, soft_wrap=True)
 
 
 @app.command("train-rank", hidden=True)
@@ -351,14 +352,18 @@ def demo(
     from flows.train import train as train_flow
 
     result = train_flow(experiment=str(experiment), overrides=list(set_ or []))
-    console.print(result.summary if hasattr(result, "summary") else result)
+    console.print(result.summary if hasattr(result, "summary") else result, soft_wrap=True)
 
 
 # Set before Prefect is imported: no telemetry from a research box, and the per-task
-# "Finished in state Completed()" lines would drown the one summary line per iteration.
-# Prefect's ephemeral server gets 20 s to start by default, too little on a loaded 2-core machine.
-QUIET_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
-                  "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+# "Finished in state Completed()" lines would drown the one summary line per iteration on the terminal.
+# Only the console handler is quietened: the run logger's INFO lines still reach the API (the UI's Logs tab);
+# PREFECT_LOGGING_LEVEL=WARNING would drop them before any handler. Prefect's ephemeral server gets 20 s to
+# start by default, too little on a loaded 2-core machine.
+QUIET_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+                  "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+                  # log_table appends by downloading the run's table first: no progress bar for that each iteration
+                  "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -146,10 +147,20 @@ def world(nproc: int, device: torch.device) -> Iterator[int]:
         raise RuntimeError(f"the run finished on rank 0 but {', '.join(failed)}")
 
 
-def follow(device: torch.device) -> None:
-    """A non-zero rank's whole life: join the group the environment names, run rank 0's run, leave."""
+def follow(device: torch.device) -> NoReturn:
+    """A non-zero rank's whole life: join the group the environment names, run rank 0's run, leave, exit 0.
+
+    The exit is ``os._exit`` once the group is left: this rank writes no files (rank 0 does), and the
+    interpreter's own teardown can abort a finished rank. Seen once in CI under load: rank 1 of a two-process
+    ZeRO-2 run finished, left the group, then died at exit with "terminate called without an active
+    exception" (SIGABRT, a C++ thread destroyed while joinable), which failed a run that had succeeded.
+    An error in the run still propagates (a traceback and a non-zero status).
+    """
     from ragen_core.session import follow_main  # torch, transformers: only once the rank really trains
 
     distributed.join(device)
     follow_main()
     distributed.leave()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -8,14 +8,16 @@ and stopped (TERM, then KILL, descendants included) when the test is over, faile
         subprocess.run(["prefect", "work-pool", "ls"], env=prefect_server.client_env(), check=True)
         MlflowClient(mlflow_server.uri).search_experiments()
 
-Fixtures: ``prefect_server`` (one per session, ~10-20 s to start), ``mlflow_server`` (one per
+Fixtures: ``prefect_server`` (one per session, ~10-20 s to start, UI on), ``mlflow_server`` (one per
 test, its sqlite schema made before start-up so it starts in a few seconds), ``background``
-(other long-running children of a test, e.g. a `prefect worker`, stopped the same way).
+(other long-running children of a test, e.g. a `prefect worker`, stopped the same way), ``chrome``
+(Debian's headless chromium driven by selenium; the test is skipped where either is missing).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +26,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -140,7 +143,9 @@ class PrefectServer(ServerProcess):
         self.root, self.port = root, port
         self.home = root / "prefect-home"
         self.home.mkdir(parents=True, exist_ok=True)
-        env = base_env(PREFECT_HOME=str(self.home), PREFECT_UI_ENABLED="false")
+        # the UI is on (the browser tests open it); its pages call the API at this address
+        env = base_env(PREFECT_HOME=str(self.home), PREFECT_UI_ENABLED="true",
+                       PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api")
         super().__init__("prefect server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                                             "--port", str(port)],
                          env, f"http://127.0.0.1:{port}/api/health", root / "prefect-server.log", cwd=root)
@@ -236,3 +241,29 @@ def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
         yield server
     finally:
         server.stop()
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture
+def chrome() -> Iterator[Any]:
+    """Headless Debian chromium through Debian's chromium-driver (selenium); no browser or driver download.
+
+    Skipped where chromium, chromium-driver or selenium is missing (`.ci/run` installs the Debian packages).
+    """
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000",
+                "--disable-gpu", "--no-first-run", "--disable-extensions", "--lang=en-US"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
