@@ -242,6 +242,10 @@ def test_prefect_flow_run_page_shows_logs_and_artifacts(chrome: Any, studied: St
                     "the per-iteration summary lines in the Logs tab")
     assert "iter 1/2 | success" in text
     assert "ragen-train" in text and "Completed" in text
+    from selenium.webdriver.common.by import By
+
+    line = chrome.find_element(By.XPATH, "//*[starts-with(normalize-space(), 'iter 1/2 | success')]")
+    chrome.execute_script("arguments[0].scrollIntoView({block: 'center'});", line)
     screenshot(chrome, tmp_path, "prefect-run-logs")
     # the Task Runs tab names each step with its iteration (the log list draws only the lines in view)
     click(chrome, "//li[contains(@class, 'p-tab')][normalize-space()='Task Runs']")
