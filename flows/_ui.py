@@ -3,7 +3,8 @@
 Terminal: rich progress bars for rollouts and evaluation, and one summary line per iteration (printed
 above the bars). Prefect UI (:class:`RunArtifacts`, inside a flow run): the same lines through the flow
 run's logger (its Logs tab), a progress artifact over the iterations, a table artifact of the
-per-iteration metrics that grows as the run goes, and a link to the run's MLflow page.
+per-iteration metrics that grows as the run goes, and a link to the run's MLflow page. The evaluation,
+compare and sweep flows publish their result tables as Markdown artifacts (:func:`publish_markdown`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,28 @@ class Reporter:
         return next(task.completed for task in self._progress.tasks if task.id == bar)
 
 
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key from ``parts``: lowercase letters, digits and dashes only, at most 100 chars."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100] or "result"
+
+
+def publish_markdown(key: str, markdown: str, description: str) -> str | None:
+    """``markdown`` as a Markdown artifact of the current flow run (its Artifacts tab), under ``key``
+    (:func:`artifact_key`); returns the key, or None outside a flow run (nothing to attach it to)."""
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return None
+    from prefect.artifacts import create_markdown_artifact
+
+    key = artifact_key(key)
+    # the flows' summaries are lines of text around Markdown tables: keep each text line a line of its own
+    lines = markdown.splitlines()
+    text = "\n".join(line if line.startswith("|") or not line.strip() else f"{line}  " for line in lines)
+    create_markdown_artifact(text, key=key, description=description)
+    return key
+
+
 TABLE_COLUMNS = ("val/success", "rollout/reward_std_all", "actor/entropy", "actor/grad_norm", "rollout/kept_groups",
                  "response/length_mean", "timing/rollout_s", "timing/update_s")
 """The per-iteration table's columns after the iteration and the env's success (the comparison's curves first)."""
@@ -68,7 +91,7 @@ class RunArtifacts:
         from prefect.context import FlowRunContext
 
         self.active = FlowRunContext.get() is not None
-        self.key = re.sub(r"[^a-z0-9-]+", "-", run_name.lower()).strip("-")[:60] or "run"
+        self.key = artifact_key(run_name)[:60]
         self.iterations = iterations
         self.rows: list[dict[str, Any]] = []
         self._progress_id: Any = None

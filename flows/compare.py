@@ -18,6 +18,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from flows._ui import publish_markdown
 from ragen_core import compare as cmp
 from ragen_core.sweeps.aggregate import study_metrics, write_study
 from ragen_core.tracking.history import find_group, tracking_uri_for
@@ -62,6 +63,8 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
     name = f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     record_tags = {"kind": "compare", "compared_runs": ",".join(h.run_id for h in histories)}
     run_id = steps.log_comparison(uri, fetched[0].experiment_id, name, record_tags, files)
-    return (cmp.table_markdown([cmp.summarize(h) for h in histories]) + study_md
-            + f"\nwritten to {Path(out_dir).resolve()}: {', '.join(f.name for f in files)}"
-            + f"\nlogged as MLflow run {name} ({run_id}) at {uri}")
+    table = cmp.table_markdown([cmp.summarize(h) for h in histories]) + study_md
+    where = f"logged as MLflow run {name} ({run_id}) at {uri}"
+    publish_markdown(name, f"{table}\n{where}", f"comparison of {len(histories)} runs"
+                     + (f" by {group_by}" if group_by else ""))
+    return table + f"\nwritten to {Path(out_dir).resolve()}: {', '.join(f.name for f in files)}\n{where}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows._ui import Reporter
+from flows._ui import Reporter, publish_markdown
 from ragen_core import evaluation
 from ragen_core.config import load_experiment
 from ragen_core.store.run_dir import RunDir
@@ -39,4 +39,7 @@ def evaluate(target: str, seeds: int | None = None, overrides: list[str] | None 
     files = list(evaluation.write_report(report, target_.run_dir))
     uri = tracking_uri(cfg) if cfg.tracking.backend == "mlflow" else None
     where = steps.log_evaluation(uri, run_id_of(target_.run_dir), report, files, target_.iteration)
-    return f"{evaluation.format_table(report)}\nwritten to {files[0]} and {files[1]}; {where}"
+    table = evaluation.format_table(report)
+    publish_markdown(f"evaluation-{target_.run_dir.name}-it{target_.iteration}", f"{table}\n{where}",
+                     f"held-out evaluation of {target_.run_dir.name} after {target_.iteration} iterations")
+    return f"{table}\nwritten to {files[0]} and {files[1]}; {where}"

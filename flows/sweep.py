@@ -31,6 +31,7 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 
+from flows._ui import publish_markdown
 from ragen_core.config import ConfigError, load_experiment
 from ragen_core.sweeps import (
     RESULT_ATTRS,
@@ -88,6 +89,7 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
         status = "FINISHED"
     finally:
         parent.close(status)
+    publish_markdown(f"sweep-{plan.sweep.name}", summary, f"results of the study {plan.sweep.name}")
     return summary
 
 

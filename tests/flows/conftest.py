@@ -23,3 +23,18 @@ def data_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGEN_DATA_DIR", str(d))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return d
+
+
+def latest_artifact(key: str):
+    """The newest Prefect artifact under ``key`` in the test harness's server (None when there is none)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as client:
+            found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            return max(found, key=lambda a: a.created, default=None)
+
+    return asyncio.run(read())

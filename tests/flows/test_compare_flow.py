@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.compare import compare
 from flows.train import train
+from tests.flows.conftest import latest_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "experiments" / "smoke.yaml")
@@ -76,6 +77,9 @@ def test_compare_table_pngs_and_mlflow_run(two_runs, tmp_path):
     assert cmp_runs[0].info.run_name in text
     arts = {x.path for x in client.list_artifacts(cmp_runs[0].info.run_id, "compare")}
     assert {"compare/table.md", "compare/table.csv", "compare/curves.png"} <= arts and len(arts) == 11
+    # and the flow run's Markdown artifact in the Prefect UI, keyed by the comparison's name
+    artifact = latest_artifact(cmp_runs[0].info.run_name)
+    assert artifact is not None and md.splitlines()[2] in artifact.data and cmp_runs[0].info.run_id in artifact.data
 
 
 def test_unknown_run_is_a_lookup_error_and_exit_status_2(two_runs, tmp_path):

@@ -16,6 +16,7 @@ from ragen_core import evaluation as ev
 from ragen_core.config import EnvConfig, load_experiment
 from ragen_core.envs import make
 from ragen_core.models import load_model
+from tests.flows.conftest import latest_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "experiments" / "smoke.yaml")
@@ -175,6 +176,11 @@ def test_evaluate_flow_table_files_and_mlflow(smoke):
     assert [(m.step, m.value) for m in hist] == [(1, saved["metrics"]["val/final/BanditTest/success"])]
     assert {a.path for a in client.list_artifacts(result.mlflow_run_id, "eval")} == {"eval/eval.json", "eval/eval.md"}
     assert client.get_run(result.mlflow_run_id).info.status == "FINISHED"
+    # the table is also the flow run's Markdown artifact in the Prefect UI
+    artifact = latest_artifact("evaluation-eval-smoke-it1")
+    assert artifact is not None and artifact.type == "markdown"
+    assert "| env | success | pass@1 | return | total return | episodes |" in artifact.data
+    assert "| BanditTest |" in artifact.data and result.mlflow_run_id in artifact.data
 
 
 def test_overrides_and_a_checkpoint_target(smoke):

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.sweep import objective, sweep
 from ragen_core.sweeps import open_study, plan_sweep, storage_url, trial_reporter
+from tests.flows.conftest import latest_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "experiments" / "smoke.yaml"
@@ -58,6 +59,12 @@ def test_every_grid_point_ran_once(smoke_sweep) -> None:
         assert set(t.user_attrs["val"]) == {"Bandit"} and sorted(t.intermediate_values) == [0, 1]
     assert "study smoke-grid: 3 trials (COMPLETE 3, PRUNED 0, FAIL 0)" in summary
     assert "optuna-dashboard sqlite:///" in summary
+    # the summary with its results table is the sweep flow run's Markdown artifact in the Prefect UI
+    artifact = latest_artifact("sweep-smoke-grid")
+    assert artifact is not None and artifact.type == "markdown"
+    table_rows = [line for line in summary.splitlines() if line.startswith("|")]
+    assert len(table_rows) >= 5 and all(row in artifact.data.splitlines() for row in table_rows)
+    assert "study smoke-grid: 3 trials (COMPLETE 3, PRUNED 0, FAIL 0)" in artifact.data
 
 
 def test_nested_runs_are_tagged_and_the_parent_has_the_results(smoke_sweep) -> None:
