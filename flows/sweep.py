@@ -10,7 +10,7 @@ One MLflow parent run per study and a nested run per trial (tags study, trial an
 Prefect flow-run id); each trial runs ``flows.train.train`` itself (no second copy of the
 training code), reports validation success per evaluation and may be pruned. ``--workers N``
 starts N processes (the hidden command ``ragen sweep-worker``, flows/cli.py) on the same storage;
-with ``dispatch: deployment`` each trial is a run of the ``ragen-train`` deployment on the work
+with ``dispatch: deployment`` each trial is a run of the ``ragen-train-trial`` deployment on the work
 pool instead. Interrupted? Run the same command again: the study resumes. At the end the
 results table (CSV, Markdown, PNG) and the best params go on the parent run.
 Tests: tests/flows/test_sweep_flow.py, test_sweep_workers.py, test_study_flow.py.
@@ -162,16 +162,17 @@ def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str
 
 def train_trial(plan: SweepPlan, experiment: str, overrides: list[str], parent_run_id: str | None,
                 number: int, spec: dict[str, Any]) -> Any:
-    """The train flow in this process (a sub-flow), or a run of the train deployment on the work pool."""
+    """The trial flow (flows/train.py ``train_trial``) in this process (a sub-flow), or a run of its
+    deployment on the work pool."""
     kwargs = {"experiment": experiment, "overrides": overrides, "parent_run_id": parent_run_id,
               "run_name": f"{plan.sweep.name}-t{number:03d}-{time.strftime('%Y%m%d-%H%M%S')}",
               "tags": {"study": plan.sweep.name, "trial": str(number)}, "trial": spec}
     if plan.sweep.dispatch == "deployment":
         return run_on_pool(plan, kwargs)
     # imported here: the train flow loads torch, which the sweep's own loop does not need
-    from flows.train import train
+    from flows.train import train_trial as trial_flow
 
-    return train(**kwargs)
+    return trial_flow(**kwargs)
 
 
 def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:

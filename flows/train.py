@@ -7,7 +7,7 @@ Runs in Prefect's ephemeral mode with nothing to start; with PREFECT_API_URL set
 to that server. Every run is one MLflow run (a resumed run continues it), which ends FINISHED,
 FAILED (an exception) or KILLED (Ctrl-C, SIGTERM: a cancelled flow run) as the flow ends
 (``closes_runs``, ragen_core/tracking/run_end.py). The same flow is the `ragen-train` deployment
-of prefect.yaml and the body of every sweep trial.
+of prefect.yaml; ``train_trial`` (flow and deployment `ragen-train-trial`) is the same run as a sweep trial.
 
 Several processes (``nproc`` > 1, or under torchrun; trainer.backend deepspeed): this flow is rank 0, the
 only one that logs and writes; flows/ranks.py starts (or joins) the others, which run the same steps
@@ -39,19 +39,37 @@ def train(
     overrides: list[str] | None = None,
     resume: str | None = None,
     run_name: str | None = None,
-    parent_run_id: str | None = None,
-    tags: dict[str, str] | None = None,
-    trial: dict[str, Any] | None = None,
     nproc: int = 1,
 ) -> session.TrainResult:
     """Train one experiment; ``resume`` continues a run (its saved config plus ``overrides``).
 
-    ``parent_run_id``/``tags``/``trial`` are set by sweeps: a nested MLflow run, and an Optuna
-    trial to report validation success to (and be pruned by). ``nproc`` > 1: data-parallel
-    processes on this machine, this one rank 0 (flows/ranks.py; ignored under torchrun, which
-    says how many).
+    ``nproc`` > 1: data-parallel processes on this machine, this one rank 0 (flows/ranks.py; ignored under
+    torchrun, which says how many). A sweep's trials run :func:`train_trial`, which takes the sweep's own
+    parameters too, so this flow's deployment form holds only what a person sets.
     """
-    overrides = list(overrides or [])
+    return _start(experiment, list(overrides or []), resume, run_name, nproc)
+
+
+@flow(name="ragen-train-trial")
+@closes_runs
+def train_trial(
+    experiment: str,
+    overrides: list[str] | None = None,
+    run_name: str | None = None,
+    parent_run_id: str | None = None,
+    tags: dict[str, str] | None = None,
+    trial: dict[str, Any] | None = None,
+) -> session.TrainResult:
+    """One sweep trial: :func:`train` in one process, its MLflow run nested under ``parent_run_id`` with
+    ``tags``, reporting validation success to the Optuna ``trial`` (storage, study, number), which may prune
+    it. Sweeps call it in-process or as the ``ragen-train-trial`` deployment (``dispatch: deployment``)."""
+    return _start(experiment, list(overrides or []), None, run_name, 1, parent_run_id, tags, trial)
+
+
+def _start(experiment: str | None, overrides: list[str], resume: str | None, run_name: str | None, nproc: int,
+           parent_run_id: str | None = None, tags: dict[str, str] | None = None,
+           trial: dict[str, Any] | None = None) -> session.TrainResult:
+    """Resolve the run's config and folder, check the world size, join or start the ranks, run."""
     if run_name is not None:
         check_run_name(run_name, "run_name")  # a deployment parameter too: checked before anything is written
     if resume:

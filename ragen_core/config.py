@@ -499,8 +499,9 @@ class SweepConfig:
                                     "action stop: Echo Trap, RAGEN-2's early stops, template collapse)")
     dispatch: Literal["local", "deployment"] = F(
         "local", "run trials in the sweep's worker processes, or as runs of a Prefect deployment")
-    deployment: str = F("ragen-train/ragen-train",
-                        "deployment (flow/deployment) of the train flow used when dispatch is deployment")
+    deployment: str = F("ragen-train-trial/ragen-train-trial",
+                        "deployment (flow/deployment) of the trial flow (flows/train.py train_trial) used when "
+                        "dispatch is deployment")
     group_by: str | None = F(None, "a study (ragen study): aggregate the trials' runs by this parameter or tag "
                                    "(preset): mean and band over seeds, a table per group, the monitor judged")
     collapse_drop: float = F(0.15, "a study: a run collapsed when its validation success ended this far below "

@@ -182,7 +182,7 @@ def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_di
     study = open_study(plan.sweep, plan.grid, url)
     study.optimize(lambda t: objective(t, plan, url, "parent-id"), n_trials=1)
     (name, params, timeout), = calls
-    assert name == "ragen-train/ragen-train" and timeout is None
+    assert name == "ragen-train-trial/ragen-train-trial" and timeout is None
     assert params["experiment"] == "experiments/smoke.yaml"  # relative: the worker runs in its own checkout
     assert params["overrides"] == ["trainer.online_k=2"] and params["parent_run_id"] == "parent-id"
     assert params["tags"] == {"study": "pool", "trial": "0"} and params["run_name"].startswith("pool-t000-")

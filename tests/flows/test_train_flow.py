@@ -304,3 +304,15 @@ def test_the_prefect_ui_shows_progress_logs_artifacts_and_readable_task_names(sm
     assert "val/success" in latest["evaluation-smoke-a"].data
     assert any("iter 2/2" in log.message for log in logs)
     assert {"rollout-it0000", "update-it0000", "rollout-it0001", "checkpoint-it0002"} <= set(task_names)
+
+
+def test_the_train_deployment_form_holds_only_what_a_person_sets() -> None:
+    """Issue 19: the sweep's own parameters (parent run, tags, Optuna trial) belong to the trial flow, so the
+    ragen-train deployment's form in the Prefect UI shows experiment, overrides, resume, run name and nproc."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train import train_trial
+
+    assert list(parameter_schema(train.fn).properties) == ["experiment", "overrides", "resume", "run_name", "nproc"]
+    assert {"parent_run_id", "tags", "trial"} <= set(parameter_schema(train_trial.fn).properties)
+    assert parameter_schema(train_trial.fn).required == ["experiment"]

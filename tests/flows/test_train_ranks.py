@@ -25,7 +25,7 @@ from prefect.client.orchestration import get_client
 from safetensors.torch import load_file
 
 from flows import ranks
-from flows.train import train
+from flows.train import train, train_trial
 from ragen_core.config import ConfigError
 from ragen_core.store import read_shard
 from ragen_core.store.run_dir import shard_path
@@ -171,8 +171,11 @@ def test_a_rank_that_dies_fails_the_run_and_names_it(monkeypatch) -> None:
 def test_sweep_trials_and_the_torch_engine_refuse_several_processes(data_dir, monkeypatch) -> None:
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(ConfigError, match="sweep trial reports to Optuna from one process"):
-        train(experiment=SMOKE, overrides=_ds(2), trial={"storage": "sqlite://", "number": 0}, nproc=2)
+    with monkeypatch.context() as torchrun:  # a trial flow started under torchrun with two ranks
+        torchrun.setenv("WORLD_SIZE", "2")
+        torchrun.setenv("RANK", "0")
+        with pytest.raises(ConfigError, match="sweep trial reports to Optuna from one process"):
+            train_trial(experiment=SMOKE, overrides=_ds(2), trial={"storage": "sqlite://", "number": 0})
     with pytest.raises(ConfigError, match=r"2 processes need trainer\.backend=deepspeed"):
         train(experiment=SMOKE, nproc=2)
     assert not (data_dir / "runs").exists()

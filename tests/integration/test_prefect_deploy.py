@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 DEPLOYMENTS = {  # deployment name -> (entrypoint, flow name)
     "ragen-train": ("flows/train.py:train", "ragen-train"),
+    "ragen-train-trial": ("flows/train.py:train_trial", "ragen-train-trial"),
     "ragen-train-multi-gpu": ("flows/train.py:train", "ragen-train"),
     "ragen-evaluate": ("flows/evaluate.py:evaluate", "ragen-evaluate"),
     "ragen-sweep": ("flows/sweep.py:sweep", "ragen-sweep"),
@@ -70,7 +71,7 @@ def test_prefect_yaml_declares_the_three_deployments_on_gpu_pool() -> None:
         assert d["entrypoint"] == entrypoint and (REPO / entrypoint.split(":")[0]).is_file()
         assert d["work_pool"]["name"] == "gpu-pool" and d["work_pool"]["work_queue_name"] == "default"
         env = d["work_pool"]["job_variables"]["env"]
-        nproc = d["parameters"].get("nproc", 1)
+        nproc = d.get("parameters", {}).get("nproc", 1)
         assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(nproc)))  # one GPU per rank
         assert env["RAGEN_DATA_DIR"] == "{{ $RAGEN_DATA_DIR }}"
         assert env["MLFLOW_TRACKING_URI"] == "{{ $MLFLOW_TRACKING_URI }}"
@@ -107,6 +108,11 @@ def test_deploy_all_worker_runs_train_deployment(prefect_server: PrefectServer, 
         assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory":
                                    {"directory": "{{ $RAGEN_HOME }}"}}]
     assert deployments["ragen-train"].parameters["experiment"] == "experiments/smoke.yaml"
+    # the form of ragen-train holds what a person sets; the sweep's own parameters are on ragen-train-trial's
+    form = set(deployments["ragen-train"].parameter_openapi_schema["properties"])
+    assert form == {"experiment", "overrides", "resume", "run_name", "nproc"}
+    trial_form = deployments["ragen-train-trial"].parameter_openapi_schema["properties"]
+    assert {"parent_run_id", "tags", "trial"} <= set(trial_form)
 
     # the worker runs elsewhere (its own cwd), knows the checkout, but not the data dir or MLflow URI
     worker_dir = tmp_path / "worker"

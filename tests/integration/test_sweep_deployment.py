@@ -46,7 +46,7 @@ def test_trials_run_as_deployment_runs(prefect_server: PrefectServer, background
     job_env = {"RAGEN_DATA_DIR": str(data), "MLFLOW_TRACKING_URI": mlflow_uri}
     prefect = [str(BIN / "prefect"), "--no-prompt"]
     run([*prefect, "work-pool", "create", "gpu-pool", "--type", "process", "--overwrite"], prefect_server.client_env())
-    run([*prefect, "deploy", "--name", "ragen-train"], prefect_server.client_env(**job_env))
+    run([*prefect, "deploy", "--name", "ragen-train-trial"], prefect_server.client_env(**job_env))
     worker_dir = tmp_path / "worker"
     worker_dir.mkdir()
     worker = background.start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool"],
