@@ -6,7 +6,13 @@ evaluation, rollout, collapse diagnostics, filter, update, record (health checks
 summary line) and checkpoint. The diagnostics run every ``diagnostics.collapse_every`` iterations, so
 their share is reported per measuring iteration and amortised over the run (issue 15: at most 10%).
 
-Run:  .venv/bin/python bench/iteration.py [--iterations 5] [--set key=value ...] [experiments/demo.yaml]
+With ``--flow`` (issue 21) the same experiment then runs as ``ragen train`` does: the Prefect flow (an
+ephemeral server under a temporary PREFECT_HOME), MLflow tracking (sqlite in a temporary data dir),
+artifacts, the Prefect artifacts and logs. Each recorded iteration carries its wall time
+(``timing/iteration_s``, from one record to the next); the first iteration of each side is left out
+(warm-up). ``orchestration_tracking_share`` = 1 - plain iteration s / flow iteration s (target < 5%).
+
+Run:  .venv/bin/python bench/iteration.py [--iterations 5] [--flow] [--set key=value ...] [experiments/demo.yaml]
 The last line printed is one JSON object: {"seconds": {...}, "share": {...}, "diagnostics_share": ...}
 """
 
@@ -31,9 +37,10 @@ def main() -> None:
     parser.add_argument("experiment", nargs="?", default=str(ROOT / "experiments" / "demo.yaml"))
     parser.add_argument("--iterations", type=int, default=5, help="iterations timed (default: one collapse period)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
+    parser.add_argument("--flow", action="store_true", help="also run it through the Prefect flow with MLflow")
     args = parser.parse_args()
-    cfg = load_experiment(args.experiment, [f"trainer.iterations={args.iterations}", "trainer.checkpoint_every=0",
-                                            *args.overrides])
+    overrides = [f"trainer.iterations={args.iterations}", "trainer.checkpoint_every=0", *args.overrides]
+    cfg = load_experiment(args.experiment, overrides)
     seconds: dict[str, float] = defaultdict(float)
     measured: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,6 +70,7 @@ def main() -> None:
                       f"{int(diag.get('collapse/first_turn/n_reasonings', 0))} reasonings, "
                       f"{int(diag.get('collapse/first_turn/n_prompts', 0))} prompts)", flush=True)
         total = time.perf_counter() - started
+        plain_iterations = [row["timing/iteration_s"] for row in sess.history if "timing/iteration_s" in row]
     share = {k: v / total for k, v in seconds.items()}
     every = cfg.diagnostics.collapse_every
     result = {
@@ -76,7 +84,48 @@ def main() -> None:
         print(f"{k:12s} {seconds[k]:8.2f} s  {v:6.1%}")
     print(f"diagnostics share of the run: {share['diagnostics']:.1%} "
           f"(measured every {every} iterations; target <= 10%)")
+    if args.flow:
+        flow_iterations = run_flow(args.experiment, overrides)
+        plain_s, flow_s = _mean(plain_iterations[1:]), _mean(flow_iterations[1:])
+        result.update(plain_iteration_s=round(plain_s, 3), flow_iteration_s=round(flow_s, 3),
+                      plain_iterations_s=[round(x, 2) for x in plain_iterations],
+                      flow_iterations_s=[round(x, 2) for x in flow_iterations],
+                      orchestration_tracking_share=round(1 - plain_s / flow_s, 4))
+        print(f"iteration: plain {plain_s:.2f} s, flow with Prefect and MLflow {flow_s:.2f} s: orchestration and "
+              f"tracking {1 - plain_s / flow_s:.1%} (target < 5%)")
     print(json.dumps(result))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def run_flow(experiment: str, overrides: list[str]) -> list[float]:
+    """The experiment through the training flow (ephemeral Prefect, MLflow in a temporary data dir); the wall
+    seconds of each recorded iteration, from the run's history."""
+    import os
+
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = {k: os.environ.get(k) for k in ("RAGEN_DATA_DIR", "PREFECT_HOME", "MLFLOW_TRACKING_URI")}
+        os.environ.update(RAGEN_DATA_DIR=f"{tmp}/data", PREFECT_HOME=f"{tmp}/prefect")
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        for key, value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+                           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+                           "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}.items():
+            os.environ.setdefault(key, value)  # as `ragen train` sets them (flows/cli.py)
+        try:
+            from flows.train import train  # Prefect and MLflow: only for this part
+
+            result = train(experiment=experiment, overrides=overrides)
+            rows = [json.loads(line) for line in (Path(result.run_dir) / "history.jsonl").read_text().splitlines()]
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return [row["timing/iteration_s"] for row in rows if "timing/iteration_s" in row]
 
 
 if __name__ == "__main__":

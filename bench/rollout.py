@@ -17,7 +17,13 @@ The last line printed is one JSON object:
   vllm_speedup   rollout generated tok/s with the vllm backend / hf, same rollout settings and env
                  seeds (engine start excluded). Target >= 1.8.
   tok_s_b8/32/64 hf generated tok/s at batch 8/32/64: 239-token prompts, 64 new tokens, no stop token
-                 (the issue's measurement setup), prefill included.
+                 (the issue's measurement setup), prefill included; decode_tok_s_b*: the decode steps alone.
+  decode_roofline_frac  (issue 21) tok_s at the largest batch / (matmul FLOP/s / FLOPs per generated token):
+                 the matmul rate is measured in this run (best fp32 1536^3 product, ``matmul_gflops``), a token
+                 costs 2 FLOPs per weight (``flops_per_token``). Target >= 0.5. ``decode_only_roofline_frac``
+                 leaves the prefill out; ``fast_decode_speedup`` = decode steps' tok/s / the same through
+                 ``model.forward`` (decode_step.py off).
+  hf_vs_vllm     hf rollout tok/s / vLLM's on the same rollout (1 / vllm_speedup). Target >= 1.2.
   cache_reuse_max_logprob_diff  largest |logprob difference| between the reuse and the naive rollout
                  over the same sampled tokens (must be <= 1e-4), plus counters of both runs.
 Timings depend on machine load: other processes on the same cores slow everything, ratios less so.
@@ -93,18 +99,38 @@ def generated(rec: Recorder) -> int:
     return sum(sum(lengths) for _, lengths, _ in rec.calls)
 
 
-def batch_throughput(model: Any, tokenizer: Any, batch: int, prompt_len: int = 239, new: int = 64) -> float:
-    """hf backend generated tok/s on random prompts (no stop token: every row makes ``new`` tokens)."""
+def batch_throughput(model: Any, tokenizer: Any, batch: int, prompt_len: int = 239, new: int = 64,
+                     fast_decode: bool = True) -> tuple[float, float]:
+    """hf backend generated tok/s on random prompts (no stop token: every row makes ``new`` tokens), prefill
+    included, and the decode steps' own rate (tokens fed through decode steps / their seconds)."""
     import torch
 
     from ragen_core.rollout.generators import SamplingParams, make_generator
 
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(100, tokenizer.vocab_size - 100, (batch, prompt_len), generator=gen).tolist()
-    hf = make_generator("hf", model, tokenizer)
+    hf = make_generator("hf", model, tokenizer, fast_decode=fast_decode)
     start = time.perf_counter()
     out = hf.generate(prompts, SamplingParams(max_new_tokens=new, seed=0))
-    return sum(len(g.token_ids) for g in out) / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    stats = hf.stats
+    return sum(len(g.token_ids) for g in out) / seconds, stats["decode_tokens"] / stats["decode_seconds"]
+
+
+def matmul_flops(n: int = 1536, repeats: int = 10) -> float:
+    """This machine's fp32 matmul rate (FLOP/s): the best of ``repeats`` n x n x n products, in this process
+    (same threads as the rollout)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
 
 
 def replay_with_generate(model: Any, tokenizer: Any, rec: Recorder) -> float:
@@ -273,7 +299,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     for batch in (int(b) for b in args.batches.split(",") if b):
         say(f"raw hf throughput at batch {batch} ...")
-        result[f"tok_s_b{batch}"] = batch_throughput(model, tokenizer, batch)
+        result[f"tok_s_b{batch}"], result[f"decode_tok_s_b{batch}"] = batch_throughput(model, tokenizer, batch)
+    # the decode roofline (issue 21): generated tok/s at the largest batch / (matmul FLOP/s / FLOPs per token)
+    top = max(int(b) for b in args.batches.split(",") if b)
+    flops = matmul_flops()
+    per_token = 2 * sum(p.numel() for p in model.parameters())  # every weight once per token (tied head included)
+    say(f"model.forward decode at batch {top}, for comparison ...")
+    slow, slow_decode = batch_throughput(model, tokenizer, top, fast_decode=False)
+    result.update(
+        matmul_gflops=flops / 1e9,
+        flops_per_token=per_token,
+        roofline_tok_s=flops / per_token,
+        roofline_batch=top,
+        decode_roofline_frac=result[f"tok_s_b{top}"] / (flops / per_token),
+        decode_only_roofline_frac=result[f"decode_tok_s_b{top}"] / (flops / per_token),
+        model_forward_tok_s=slow,
+        model_forward_decode_tok_s=slow_decode,
+        fast_decode_speedup=result[f"decode_tok_s_b{top}"] / slow_decode,
+    )
 
     if args.no_vllm:
         result["vllm_speedup"], result["vllm_note"] = None, "skipped (--no-vllm)"
@@ -281,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         say("the same rollout with the vllm backend (separate venv) ...")
         vllm, why = run_vllm(args, max_len)
         result["vllm_speedup"] = None if vllm is None else vllm["vllm_rollout_tok_s"] / hf_tok_s
+        result["hf_vs_vllm"] = None if vllm is None else hf_tok_s / vllm["vllm_rollout_tok_s"]  # target >= 1.2
         if vllm is not None:
             result.update(vllm)
         else:

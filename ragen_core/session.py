@@ -128,6 +128,9 @@ class Session:
     """(step name, done, total) progress callback of rollouts and evaluations; None: silent."""
     main: bool
     """This process writes the run's files and logs: rank 0 of a multi-process run (module docstring), or alone."""
+    last_record: float
+    """``time.perf_counter()`` at the previous recorded iteration (or the session's start): the wall time of an
+    iteration, whatever runs it (the flow's tasks and tracking included), is ``timing/iteration_s``."""
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, tokenizer: PreTrainedTokenizerBase, state: TrainState,
                  generator: Generator, logger: MetricLogger, monitor: CollapseMonitor, model_max_length: int | None,
@@ -150,6 +153,7 @@ class Session:
         self.say = say
         self.progress = progress
         self.main = distributed.is_main()
+        self.last_record = time.perf_counter()
 
     @property
     def iteration(self) -> int:
@@ -422,6 +426,8 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
     """Health checks, metrics to the logger, the Parquet shard, readable samples, one summary line."""
     cfg, step = sess.cfg, rollouts.iteration
     metrics = {**rollouts.metrics, **selection.metrics, **stats.metrics, **(val or {}), **(diagnostics or {})}
+    now = time.perf_counter()
+    metrics["timing/iteration_s"], sess.last_record = now - sess.last_record, now
     report = sess.monitor.update(step, metrics.get("rollout/reward_std_all", metrics.get("rollout/reward_std", 0.0)),
                                  metrics.get("actor/entropy", 0.0), metrics.get("actor/grad_norm", 0.0))
     metrics.update(report.metrics)

@@ -1,0 +1,95 @@
+"""The fast decode step (ragen_core/rollout/generators/decode_step.py) computes what model.forward computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragen_core.models.tiny import tiny_random
+from ragen_core.rollout.generators.base import SamplingParams
+from ragen_core.rollout.generators.decode_step import decode_step_for
+from ragen_core.rollout.generators.hf import HFGenerator
+from ragen_core.rollout.generators.kv import cache_layers, growing_cache
+
+
+def _prefilled(model, prompts: list[list[int]], pad: int = 0):
+    """Left-padded batch of ``prompts`` prefilled with model.forward: (cache with room, mask)."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    return growing_cache(cache_layers(out.past_key_values), room=8), mask
+
+
+def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch() -> None:
+    model, _ = tiny_random(seed=3)
+    model.eval()
+    step = decode_step_for(model)
+    assert step is not None
+    prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]]
+    fast_cache, mask = _prefilled(model, prompts)
+    slow_cache, _ = _prefilled(model, prompts)
+    ids = torch.tensor([17, 3, 25])
+    for _ in range(3):  # three steps: each appends a column
+        positions = mask.sum(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
+        fast = step.step(ids, positions[:, 0], mask, fast_cache)
+        with torch.inference_mode():
+            slow = model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions,
+                         past_key_values=slow_cache, use_cache=True).logits[:, -1, :]
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+        for (fk, fv), (sk, sv) in zip(cache_layers(fast_cache), cache_layers(slow_cache), strict=True):
+            torch.testing.assert_close(fk, sk, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fv, sv, rtol=1e-5, atol=1e-5)
+        ids = fast.argmax(-1)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_generations_with_and_without_the_fast_step_agree(lora: bool) -> None:
+    model, tok = tiny_random(seed=1)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+        with torch.no_grad():  # a trained adapter: B is zero at init, which would hide a missing merge
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.2)
+    prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1], [11, 4]]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+    fast = HFGenerator(model, tok).generate(prompts, params)
+    slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params)
+    assert HFGenerator(model, tok)._step is not None
+    for f, s in zip(fast, slow, strict=True):
+        assert f.token_ids == s.token_ids and f.finish_reason == s.finish_reason
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
+
+
+def test_the_fused_weights_follow_an_in_place_update() -> None:
+    model, tok = tiny_random(seed=2)
+    gen = HFGenerator(model, tok)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+    before = gen.generate([[5, 6, 7]], params)[0]
+    with torch.no_grad():  # an optimizer step, in place
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    after = gen.generate([[5, 6, 7]], params)[0]
+    reference = HFGenerator(model, tok, fast_decode=False).generate([[5, 6, 7]], params)[0]
+    assert after.token_ids == reference.token_ids and after.token_ids != before.token_ids
+    torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(reference.logprobs), rtol=0, atol=1e-4)
+
+
+def test_an_architecture_it_does_not_cover_falls_back_to_model_forward() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=64))
+    assert decode_step_for(gpt2) is None
+    biased = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                          attention_bias=True))
+    assert decode_step_for(biased) is None
