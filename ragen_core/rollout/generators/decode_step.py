@@ -29,6 +29,7 @@ Run the tests: ``python -m pytest tests/unit/rollout/test_decode_step.py -q``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -76,11 +77,12 @@ class LlamaDecodeStep:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        base = _base_model(model)
-        self.config = base.config
-        self.inner = base.model
-        self.rotary = self.inner.rotary_emb
-        c = self.config
+        # transformers' config and modules are untyped attributes of nn.Module: Any here, checked in decode_step_for
+        base: Any = _base_model(model)
+        self.config: Any = base.config
+        self.inner: Any = base.model
+        self.rotary: Any = base.model.rotary_emb
+        c: Any = base.config
         self.n_heads = int(c.num_attention_heads)
         self.n_kv = int(c.num_key_value_heads)
         self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
@@ -161,7 +163,7 @@ class LlamaDecodeStep:
         cos, sin = cos[:, None, :, :], sin[:, None, :, :]  # [B, 1, 1, d]: over heads
         attn_mask = mask.bool()[:, None, None, :]  # [B, 1, 1, W + 1]
         k_end = (nh + nkv) * d
-        for layer, kv in zip(self._layers, cache.layers, strict=True):
+        for layer, kv in zip(self._layers, cast(list[Any], cache.layers), strict=True):
             h = self._rms(x, layer.norm1)
             qkv = self._linear(h, layer.qkv)  # [B, (nh + 2 nkv) d]
             qk = qkv[:, :k_end].view(b, nh + nkv, 1, d)
