@@ -69,6 +69,8 @@ def decode_step_for(model: torch.nn.Module) -> LlamaDecodeStep | None:
     inner = getattr(base, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
         return None
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return None  # DeepSpeed ZeRO-3 partitions the weights; only its hooks in model.forward gather them
     return LlamaDecodeStep(model)
 
 
