@@ -270,13 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     say("rollout with cache reuse ...")
-    reuse = make_generator("hf", model, tokenizer, cache_reuse=True, max_length=max_len)
+    reuse = make_generator("hf", model, tokenizer, cache_reuse=True, max_length=max_len, fast_decode=True)
     rec_reuse, t_reuse = run_rollout(reuse, tokenizer, args, max_len)
     hf_tok_s = generated(rec_reuse) / t_reuse
     say(f"  {generated(rec_reuse)} tokens in {t_reuse:.1f} s; {reuse.stats}")
 
     say("rollout with naive re-prefill ...")
-    naive = make_generator("hf", model, tokenizer, cache_reuse=False, max_length=max_len)
+    naive = make_generator("hf", model, tokenizer, cache_reuse=False, max_length=max_len, fast_decode=True)
     rec_naive, t_naive = run_rollout(naive, tokenizer, args, max_len)
     say(f"  {generated(rec_naive)} tokens in {t_naive:.1f} s; {naive.stats}")
     diff, diverged = max_logprob_diff(rec_reuse, rec_naive)

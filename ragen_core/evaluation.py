@@ -250,7 +250,8 @@ def evaluate_target(
     actor, tokenizer = load_policy(cfg, target.weights)
     max_len = cfg.model.max_length or getattr(actor.config, "max_position_embeddings", None)
     generator = make_generator(cfg.rollout.backend, actor, tokenizer,
-                               **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
+                               **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len,
+                                     "fast_decode": cfg.rollout.fast_decode}
                                   if cfg.rollout.backend == "hf" else {}))
     started = time.perf_counter()
     # Same seeds, temperature and sampling seed as the in-training evaluation (session.evaluate_policy).

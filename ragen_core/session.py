@@ -263,7 +263,8 @@ def open_session(
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
     with state.full_weights():  # a vLLM generator starts from a saved copy of the actor
         generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
-                                   **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len}
+                                   **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len,
+                                         "fast_decode": cfg.rollout.fast_decode}
                                       if cfg.rollout.backend == "hf"
                                       else {"gpu_memory_utilization": cfg.rollout.vllm_gpu_memory}))
     if distributed.is_main():

@@ -89,7 +89,7 @@ class HFGenerator:
         prefill_chunk_tokens: int = 8192,
         shrink_below: float = 0.5,
         max_cached_bytes: int = 8 << 30,
-        fast_decode: bool = True,
+        fast_decode: bool = False,
     ) -> None:
         """
         model: a causal LM whose forward accepts ``past_key_values``, ``position_ids`` and ``logits_to_keep``.
@@ -104,6 +104,8 @@ class HFGenerator:
         max_cached_bytes: session caches beyond this are evicted, least recently used first.
         fast_decode: decode steps through ``decode_step.LlamaDecodeStep`` (same arithmetic, without
             ``model.forward``'s per-step machinery) where the architecture is covered; off = ``model.forward``.
+            Off by default: oneDNN's packed matmuls round differently with the number of rows, so a row's
+            log-probs depend in the last bits on its batch (``RolloutConfig.fast_decode``).
         """
         self.model = model
         self.device = next(model.parameters()).device

@@ -62,9 +62,10 @@ def test_generations_with_and_without_the_fast_step_agree(lora: bool) -> None:
                     p.normal_(0, 0.2)
     prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1], [11, 4]]
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
-    fast = HFGenerator(model, tok).generate(prompts, params)
+    fast = HFGenerator(model, tok, fast_decode=True).generate(prompts, params)
     slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params)
-    assert HFGenerator(model, tok)._step is not None
+    assert HFGenerator(model, tok, fast_decode=True)._step is not None
+    assert HFGenerator(model, tok)._step is None  # off unless asked for (RolloutConfig.fast_decode)
     for f, s in zip(fast, slow, strict=True):
         assert f.token_ids == s.token_ids and f.finish_reason == s.finish_reason
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
@@ -72,7 +73,7 @@ def test_generations_with_and_without_the_fast_step_agree(lora: bool) -> None:
 
 def test_the_fused_weights_follow_an_in_place_update() -> None:
     model, tok = tiny_random(seed=2)
-    gen = HFGenerator(model, tok)
+    gen = HFGenerator(model, tok, fast_decode=True)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
     before = gen.generate([[5, 6, 7]], params)[0]
     with torch.no_grad():  # an optimizer step, in place
