@@ -104,27 +104,18 @@ def run_flow(experiment: str, overrides: list[str]) -> list[float]:
     """The experiment through the training flow (ephemeral Prefect, MLflow in a temporary data dir); the wall
     seconds of each recorded iteration, from the run's history."""
     import os
+    from unittest import mock
 
-    with tempfile.TemporaryDirectory() as tmp:
-        saved = {k: os.environ.get(k) for k in ("RAGEN_DATA_DIR", "PREFECT_HOME", "MLFLOW_TRACKING_URI")}
-        os.environ.update(RAGEN_DATA_DIR=f"{tmp}/data", PREFECT_HOME=f"{tmp}/prefect")
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-        for key, value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
-                           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-                           "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}.items():
-            os.environ.setdefault(key, value)  # as `ragen train` sets them (flows/cli.py)
-        try:
-            from flows.train import train  # Prefect and MLflow: only for this part
+    from flows.cli import QUIET_DEFAULTS  # the environment `ragen train` sets
 
-            result = train(experiment=experiment, overrides=overrides)
-            rows = [json.loads(line) for line in (Path(result.run_dir) / "history.jsonl").read_text().splitlines()]
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(
+        os.environ, {**QUIET_DEFAULTS, "RAGEN_DATA_DIR": f"{tmp}/data", "PREFECT_HOME": f"{tmp}/prefect"}
+    ):
+        os.environ.pop("MLFLOW_TRACKING_URI", None)  # restored with the rest when the block ends
+        from flows.train import train  # Prefect and MLflow: only for this part
+
+        result = train(experiment=experiment, overrides=overrides)
+        rows = [json.loads(line) for line in (Path(result.run_dir) / "history.jsonl").read_text().splitlines()]
     return [row["timing/iteration_s"] for row in rows if "timing/iteration_s" in row]
 
 

@@ -172,6 +172,8 @@ class HFGenerator:
                 if self._current_weights_version() != self._weights_version:
                     self._clear_sessions()  # weights changed in place: every kept cache is stale
                     self._weights_version = self._current_weights_version()
+                if self._step is not None:
+                    self._step.refresh()  # the decode step's fused weights, rebuilt if the weights moved
                 rows = [self._plan(i, p, params, session_ids) for i, p in enumerate(prompts)]
                 return self._run(rows, params, session_ids)
         finally:
