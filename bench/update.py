@@ -16,7 +16,13 @@ Three ratios (issue 5) and peak memory:
   ``--micro`` completions on both (TRL: per-device batch × gradient accumulation). TRL runs in its own interpreter (a
   venv under /tmp that reuses this venv's packages and adds ``trl``; made on first use, pass
   ``--no-trl`` to skip). The first step of each side is a warm-up and is not timed.
-- ``peak_rss_gib``: peak resident memory of this process during each part (sampled every 50 ms).
+- ``peak_rss_gib``: peak resident memory of this process during each part (sampled every 50 ms). In
+  p2 both sides' models and optimizers live in one process, so these include the other side's.
+- ``mem``: the p2 update alone in a fresh process, for memory: ``mem_peak_gib`` (peak RSS over two
+  steps at the p2 shape), ``mem_setup_gib`` (RSS once the model and optimizer exist, before the first
+  step) and ``mem_step_s`` (the second step's wall time), for our update and the raw loop, each
+  without and with activation checkpointing of the backbone (``model.gradient_checkpointing``).
+  ``p2_ckpt`` = raw ÷ ours step time, both checkpointed (separate processes, run one after another).
 
 Run:  .venv/bin/python bench/update.py [--rows 16 --seq-len 384] [--no-trl]
 The last line printed is one JSON object.
@@ -196,6 +202,57 @@ def bench_p2(args: argparse.Namespace) -> dict[str, Any]:
             "p2_raw_tokens_per_s": round(tokens / raw, 1), "p2_update_s": round(ours, 2), "p2_raw_s": round(raw, 2),
             "p2_shape": [args.rows, args.seq_len], "peak_rss_gib_update": mem_ours.gib,
             "peak_rss_gib_raw": mem_raw.gib}
+
+
+# --------------------------------------------------------------------------- mem
+
+
+MEM_SIDES = ("ours", "ours_ckpt", "raw", "raw_ckpt")
+
+
+def mem_worker(args: argparse.Namespace) -> None:
+    """One side of the memory part, alone in this process: prints one JSON line."""
+    from ragen_core.trainer import init_state, update
+
+    side = args.mem_worker
+    ckpt = side.endswith("_ckpt")
+    mem = PeakRSS()
+    with mem.measure():
+        cfg = _cfg("grpo", "algorithm.kl_coef=0.0", f"trainer.micro_batch_size={args.micro}",
+                   f"trainer.logprob_chunk={args.chunk}", f"rollout.responses_per_prompt={args.group_size}",
+                   f"model.gradient_checkpointing={str(ckpt).lower()}")
+        state = init_state(cfg)
+        vocab = int(state.models.actor.config.vocab_size)
+        batch = synthetic_batch(args.rows, args.seq_len, args.group_size, vocab)
+        if side.startswith("raw"):
+            model = state.models.actor
+            opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01)
+            # AdamW's moments exist from the first step on, as they do for our side after its first step
+            step = lambda: raw_step(model, opt, batch, args.micro)  # noqa: E731
+        else:
+            step = lambda: update(state, batch, cfg)  # noqa: E731
+        setup = psutil.Process().memory_info().rss
+        step()
+        with Clock() as clock:
+            step()
+    print(json.dumps({"side": side, "peak_gib": mem.gib, "setup_gib": round(setup / 2**30, 2),
+                      "step_s": round(clock.wall, 2)}))
+
+
+def bench_mem(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for side in MEM_SIDES:
+        _release_memory()
+        proc = subprocess.run([sys.executable, __file__, "--mem-worker", side, "--rows", str(args.rows),
+                               "--seq-len", str(args.seq_len), "--micro", str(args.micro), "--chunk", str(args.chunk),
+                               "--group-size", str(args.group_size)],
+                              check=True, capture_output=True, text=True, cwd=REPO)
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"mem {side}: peak {row['peak_gib']} GiB (setup {row['setup_gib']}), step {row['step_s']} s", flush=True)
+        for key in ("peak_gib", "setup_gib", "step_s"):
+            out.setdefault(f"mem_{key}", {})[side] = row[key]
+    out["p2_ckpt"] = round(out["mem_step_s"]["raw_ckpt"] / out["mem_step_s"]["ours_ckpt"], 3)
+    return out
 
 
 # --------------------------------------------------------------------------- p5
@@ -392,12 +449,16 @@ def main() -> None:
     parser.add_argument("--p3-steps", type=int, default=2, help="p3: timed steps per side (after one warm-up)")
     parser.add_argument("--trl-venv", default="/tmp/ragen-trl-venv", help="where the TRL interpreter lives")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL side of p3 (p3 is then null)")
-    parser.add_argument("--only", nargs="*", choices=["p2", "p5", "p3"], default=["p2", "p5", "p3"])
+    parser.add_argument("--only", nargs="*", choices=["p2", "mem", "p5", "p3"], default=["p2", "mem", "p5", "p3"])
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--mem-worker", choices=MEM_SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(args)
+        return
+    if args.mem_worker:
+        mem_worker(args)
         return
 
     from ragen_core.models import resolve_model
@@ -408,6 +469,8 @@ def main() -> None:
     started = time.perf_counter()
     if "p2" in args.only:
         result.update(bench_p2(args))
+    if "mem" in args.only:
+        result.update(bench_mem(args))
     if "p5" in args.only:
         result.update(bench_p5(args))
     if "p3" in args.only:

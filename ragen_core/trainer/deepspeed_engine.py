@@ -71,7 +71,7 @@ from torch import nn
 
 from ragen_core import distributed
 from ragen_core.config import ConfigError, ExperimentConfig
-from ragen_core.trainer.engine import learning_rates, trainable_parameters
+from ragen_core.trainer.engine import adamw, learning_rates, trainable_parameters
 from ragen_core.trainer.models import PolicyModels
 
 __all__ = ["DeepSpeedEngine", "deepspeed_engines", "init_distributed"]
@@ -179,7 +179,7 @@ class DeepSpeedEngine:
             raise ConfigError(f"trainer.zero_stage: {zero_stage} is not a ZeRO stage (use 0, 1, 2 or 3)")
         self.params = [p for g in param_groups for p in g["params"]]
         self._group_sizes = [len(g["params"]) for g in param_groups]
-        self.optimizer = torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay)
+        self.optimizer = adamw(param_groups, betas, weight_decay)
         self.zero_stage = zero_stage
         self.grad_clip = grad_clip
         self.skipped = 0

@@ -28,7 +28,7 @@ from torch import nn
 from ragen_core.config import ExperimentConfig
 from ragen_core.trainer.models import PolicyModels
 
-__all__ = ["ENGINES", "Engine", "TorchEngine", "learning_rates", "make_engines", "trainable_parameters"]
+__all__ = ["ENGINES", "Engine", "TorchEngine", "adamw", "learning_rates", "make_engines", "trainable_parameters"]
 
 T = TypeVar("T")
 
@@ -63,6 +63,14 @@ class Engine(Protocol):
         """Restore :meth:`state_dict`."""
 
 
+def adamw(param_groups: list[dict[str, Any]], betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with the fused kernel: one pass over all parameters, no temporaries of the parameters' size.
+
+    On this 2-core CPU with SmolLM2-135M a step takes 0.07 s against 0.33 s for the default ``foreach``
+    one, which also allocates about 0.5 GB of temporaries (measured; a demo iteration takes 4 steps)."""
+    return torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay, fused=True)
+
+
 class TorchEngine:
     """Plain PyTorch: ``loss.backward()``, ``clip_grad_norm_`` over all parameters, AdamW.
 
@@ -75,7 +83,7 @@ class TorchEngine:
         self, param_groups: list[dict[str, Any]], betas: tuple[float, float], weight_decay: float, grad_clip: float
     ) -> None:
         self.params = [p for g in param_groups for p in g["params"]]
-        self.optimizer = torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay)
+        self.optimizer = adamw(param_groups, betas, weight_decay)
         self.grad_clip = grad_clip
         self.skipped = 0
 
