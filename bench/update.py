@@ -2,7 +2,7 @@
 
 Three ratios (issue 5) and peak memory:
 
-- ``p2`` = our update's tokens/s ÷ a raw forward+backward+AdamW loop's tokens/s, same model,
+- ``p2`` = our update's tokens/s ÷ a raw forward+backward+AdamW (fused, as ours) loop's tokens/s, same model,
   same rows × length, same micro-batching (target ≥ 0.85). The update is actor-only here
   (GRPO, no KL, no critic) so both sides train one model; the raw loop computes the full
   [B, T, V] logits and a masked next-token log-likelihood. Our side adds entropy, the PPO loss
@@ -171,7 +171,7 @@ def bench_p2(args: argparse.Namespace) -> dict[str, Any]:
     batch = synthetic_batch(args.rows, args.seq_len, args.group_size, vocab)
     raw_state = init_state(cfg)  # an identical, separate model for the raw loop
     raw_model = raw_state.models.actor
-    raw_opt = torch.optim.AdamW(raw_model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01)
+    raw_opt = torch.optim.AdamW(raw_model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01, fused=True)
     mem_ours, mem_raw = PeakRSS(), PeakRSS()
     # One untimed step of each side at the full shape first: whichever side first meets the full
     # shape pays the allocator's first growth (measured: 20-25% slower, either side), which is not
@@ -226,7 +226,7 @@ def mem_worker(args: argparse.Namespace) -> None:
         batch = synthetic_batch(args.rows, args.seq_len, args.group_size, vocab)
         if side.startswith("raw"):
             model = state.models.actor
-            opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01)
+            opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01, fused=True)
             # AdamW's moments exist from the first step on, as they do for our side after its first step
             step = lambda: raw_step(model, opt, batch, args.micro)  # noqa: E731
         else:
