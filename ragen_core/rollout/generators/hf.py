@@ -89,7 +89,7 @@ class HFGenerator:
         prefill_chunk_tokens: int = 8192,
         shrink_below: float = 0.5,
         max_cached_bytes: int = 8 << 30,
-        fast_decode: bool = False,
+        fast_decode: bool = True,
     ) -> None:
         """
         model: a causal LM whose forward accepts ``past_key_values``, ``position_ids`` and ``logits_to_keep``.
@@ -103,9 +103,8 @@ class HFGenerator:
             0.27 s, dropping half the rows 0.13 s, a step with 16 rows 0.17 s, so it pays back in ~2 steps.
         max_cached_bytes: session caches beyond this are evicted, least recently used first.
         fast_decode: decode steps through ``decode_step.LlamaDecodeStep`` (same arithmetic, without
-            ``model.forward``'s per-step machinery) where the architecture is covered; off = ``model.forward``.
-            Off by default: oneDNN's packed matmuls round differently with the number of rows, so a row's
-            log-probs depend in the last bits on its batch (``RolloutConfig.fast_decode``).
+            ``model.forward``'s per-step machinery, on oneDNN-packed weights) where the architecture is
+            covered; off = ``model.forward`` (``RolloutConfig.fast_decode``).
         """
         self.model = model
         self.device = next(model.parameters()).device
@@ -145,6 +144,8 @@ class HFGenerator:
                 self.model.load_state_dict(model.state_dict(), strict=True)
         self._clear_sessions()
         self._weights_version = self._current_weights_version()
+        if self._step is not None:
+            self._step.invalidate()  # the trainer may have changed the weights without moving their versions
 
     def generate(
         self,

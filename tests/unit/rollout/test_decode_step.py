@@ -65,7 +65,7 @@ def test_generations_with_and_without_the_fast_step_agree(lora: bool) -> None:
     fast = HFGenerator(model, tok, fast_decode=True).generate(prompts, params)
     slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params)
     assert HFGenerator(model, tok, fast_decode=True)._step is not None
-    assert HFGenerator(model, tok)._step is None  # off unless asked for (RolloutConfig.fast_decode)
+    assert HFGenerator(model, tok)._step is not None  # on by default (RolloutConfig.fast_decode)
     for f, s in zip(fast, slow, strict=True):
         assert f.token_ids == s.token_ids and f.finish_reason == s.finish_reason
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
@@ -79,6 +79,25 @@ def test_the_fused_weights_follow_an_in_place_update() -> None:
     with torch.no_grad():  # an optimizer step, in place
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
+    after = gen.generate([[5, 6, 7]], params)[0]
+    reference = HFGenerator(model, tok, fast_decode=False).generate([[5, 6, 7]], params)[0]
+    assert after.token_ids == reference.token_ids and after.token_ids != before.token_ids
+    torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(reference.logprobs), rtol=0, atol=1e-4)
+
+
+def test_update_weights_rebuilds_the_fused_weights_when_the_versions_did_not_move() -> None:
+    # DeepSpeed ZeRO-1/2 points each parameter's .data at its updated flat buffer: the weights change,
+    # the version counters do not (measured). The trainer then calls update_weights, which must rebuild.
+    model, tok = tiny_random(seed=2)
+    gen = HFGenerator(model, tok, fast_decode=True)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+    before = gen.generate([[5, 6, 7]], params)[0]
+    versions = [p._version for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data + torch.randn_like(p) * 0.5
+    assert [p._version for p in model.parameters()] == versions  # what makes this case different
+    gen.update_weights(model)
     after = gen.generate([[5, 6, 7]], params)[0]
     reference = HFGenerator(model, tok, fast_decode=False).generate([[5, 6, 7]], params)[0]
     assert after.token_ids == reference.token_ids and after.token_ids != before.token_ids
