@@ -13,7 +13,8 @@ artifacts, the Prefect artifacts and logs. Each recorded iteration carries its w
 (warm-up). ``orchestration_tracking_share`` = 1 - plain iteration s / flow iteration s (target < 5%).
 
 Run:  .venv/bin/python bench/iteration.py [--iterations 5] [--flow] [--set key=value ...] [experiments/demo.yaml]
-The last line printed is one JSON object: {"seconds": {...}, "share": {...}, "diagnostics_share": ...}
+The last line printed is one JSON object: {"seconds": {...}, "share": {...}, "diagnostics_share": ...,
+"val_success": [[iteration, validation success], ...]}
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def main() -> None:
                       f"{int(diag.get('collapse/first_turn/n_prompts', 0))} prompts)", flush=True)
         total = time.perf_counter() - started
         plain_iterations = [row["timing/iteration_s"] for row in sess.history if "timing/iteration_s" in row]
+        # the seeded result, to check that a faster iteration trains as well (issue 21)
+        val_success = [[row["iteration"], round(row["val/success"], 4)] for row in sess.history if "val/success" in row]
     share = {k: v / total for k, v in seconds.items()}
     every = cfg.diagnostics.collapse_every
     result = {
@@ -79,6 +82,7 @@ def main() -> None:
         "share": {k: round(v, 4) for k, v in share.items()},
         "diagnostics_share": round(share["diagnostics"], 4),
         "diagnostics_s_per_measurement": round(sum(measured) / max(len(measured), 1), 2),
+        "val_success": val_success,
     }
     for k, v in sorted(share.items(), key=lambda kv: -kv[1]):
         print(f"{k:12s} {seconds[k]:8.2f} s  {v:6.1%}")
