@@ -111,11 +111,19 @@ def run_flow(experiment: str, overrides: list[str]) -> list[float]:
     from unittest import mock
 
     from flows.cli import QUIET_DEFAULTS  # the environment `ragen train` sets
+    from ragen_core.config import data_dir
+
+    models = data_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
 
     with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(
         os.environ, {**QUIET_DEFAULTS, "RAGEN_DATA_DIR": f"{tmp}/data", "PREFECT_HOME": f"{tmp}/prefect"}
     ):
         os.environ.pop("MLFLOW_TRACKING_URI", None)  # restored with the rest when the block ends
+        # the same models as the plain side (converted model, cached warm-up): a fresh warm-up here is
+        # another model, with other reply lengths, and the two iteration times would not compare
+        Path(f"{tmp}/data").mkdir()
+        Path(f"{tmp}/data/models").symlink_to(models, target_is_directory=True)
         from flows.train import train  # Prefect and MLflow: only for this part
 
         result = train(experiment=experiment, overrides=overrides)
