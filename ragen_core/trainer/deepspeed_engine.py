@@ -71,7 +71,7 @@ from torch import nn
 
 from ragen_core import distributed
 from ragen_core.config import ConfigError, ExperimentConfig
-from ragen_core.trainer.engine import adamw, learning_rates, trainable_parameters
+from ragen_core.trainer.engine import adamw, bump_versions, learning_rates, trainable_parameters
 from ragen_core.trainer.models import PolicyModels
 
 __all__ = ["DeepSpeedEngine", "deepspeed_engines", "init_distributed"]
@@ -242,6 +242,8 @@ class DeepSpeedEngine:
 
     def step(self) -> float:
         self.engine.step()
+        if self.zero_stage < 3:  # ZeRO-3's parameters are partitions, read only through its own gathering hooks
+            bump_versions(self.params)
         norm = self._norm if self.zero_stage == 0 else float(self.engine.get_global_grad_norm())
         if not math.isfinite(norm):
             self.skipped += 1

@@ -28,7 +28,8 @@ from torch import nn
 from ragen_core.config import ExperimentConfig
 from ragen_core.trainer.models import PolicyModels
 
-__all__ = ["ENGINES", "Engine", "TorchEngine", "adamw", "learning_rates", "make_engines", "trainable_parameters"]
+__all__ = ["ENGINES", "Engine", "TorchEngine", "adamw", "bump_versions", "learning_rates", "make_engines",
+           "trainable_parameters"]
 
 T = TypeVar("T")
 
@@ -71,6 +72,15 @@ def adamw(param_groups: list[dict[str, Any]], betas: tuple[float, float], weight
     return torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay, fused=True)
 
 
+def bump_versions(params: list[torch.Tensor]) -> None:
+    """Move the parameters' version counters after an optimizer step that wrote them.
+
+    Readers of the weights (the hf generator's caches and its fast decode step) see an update by these
+    counters, but neither fused AdamW nor DeepSpeed ZeRO-1/2's copy back from its flat buffers moves
+    them (measured: both leave ``p._version`` as it was)."""
+    torch.autograd.graph.increment_version(params)
+
+
 class TorchEngine:
     """Plain PyTorch: ``loss.backward()``, ``clip_grad_norm_`` over all parameters, AdamW.
 
@@ -100,6 +110,7 @@ class TorchEngine:
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         if math.isfinite(norm):
             self.optimizer.step()
+            bump_versions(self.params)
         else:
             self.skipped += 1
         self.optimizer.zero_grad(set_to_none=True)

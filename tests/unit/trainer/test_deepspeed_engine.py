@@ -96,8 +96,12 @@ def test_update_matches_torch_backend(stage: int, overrides: list[str]) -> None:
     for name, backend in (("torch", []), ("deepspeed", _ds(stage))):
         cfg = make_cfg("starpo", *common, *backend)
         states[name] = init_state(cfg)
+        trained_params = [q for q in states[name].models.actor.parameters() if q.requires_grad]
+        versions = [q._version for q in trained_params]
         stats = update(states[name], batch, cfg)
         norms[name] = {k: v for k, v in stats.metrics.items() if k.endswith(("grad_norm", "grad_norm_max"))}
+        if name == "torch" or stage < 3:  # the generator sees updates by these; fused AdamW and ZeRO-1/2 leave them
+            assert all(q._version > v for q, v in zip(trained_params, versions, strict=True)), name
     ref, got = states["torch"], states["deepspeed"]
     assert type(got.actor_engine).__name__ == "DeepSpeedEngine"
     assert norms["torch"].keys() == norms["deepspeed"].keys() and len(norms["torch"]) >= 2
