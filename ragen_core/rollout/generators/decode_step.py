@@ -18,8 +18,9 @@ on the same weights directly, so that the matmuls can run on packed weights:
   with SmolLM2's shapes, 205 GFLOP/s at 64 rows against 113 through ``F.linear`` (MKL), and 2.8-3.3x
   faster at 8-17 rows. Decode is all small-batch matmuls, so this is most of the gain.
 
-Fused weights are built by ``refresh`` when the parameters' version counters moved (an optimizer step
-or ``load_state_dict`` bumps them); the generator calls it once per ``generate``, not per step. They
+Fused weights are built at the first step and rebuilt after ``invalidate``, which the generator calls
+when the weights changed (``update_weights``, or the parameters' version counters moved: an optimizer
+step or ``load_state_dict`` moves them). They
 follow a peft LoRA wrapper: the active adapters are merged into the fused copies
 (``merged_state_dict``), the model is left as it is. :func:`decode_step_for` returns None for a model
 this step does not cover (not Llama-shaped, biases, another activation, ZeRO-3 partitioned weights),
@@ -92,7 +93,7 @@ class LlamaDecodeStep:
         self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
         self.eps = float(c.rms_norm_eps)
         self.scale = self.head_dim**-0.5
-        self._version: tuple[int, ...] | None = None
+        self._stale = True  # fused weights to (re)build before the next step
         self._layers: list[_Layer] = []
         self._embed = self._final_norm = self._head = torch.empty(0)
         param = next(model.parameters())
@@ -103,18 +104,11 @@ class LlamaDecodeStep:
     # ------------------------------------------------------------------ weights
 
     def invalidate(self) -> None:
-        """Rebuild the fused weights at the next ``refresh`` or step, whatever the version counters say.
+        """The model's weights changed: rebuild the fused weights before the next step. The generator,
+        which tracks weight changes (``update_weights``, version counters), calls this."""
+        self._stale = True
 
-        Needed because not every update moves them: DeepSpeed ZeRO-1/2 writes the new weights into
-        parameters whose ``.data`` it points at its flat buffers, and their version counters stay put
-        (measured). The generator calls this from ``update_weights``."""
-        self._version = None
-
-    def refresh(self) -> None:
-        """(Re)build the fused weights when the model's weights changed since the last build."""
-        version = tuple(p._version for p in self.model.parameters())
-        if version == self._version:
-            return
+    def _build(self) -> None:
         from ragen_core.models.causal_lm import merged_state_dict
 
         sd = merged_state_dict(self.model)  # plain names, LoRA deltas added; no copies for a plain model
@@ -141,7 +135,7 @@ class LlamaDecodeStep:
                     layer.qkv, layer.o = _pack(layer.qkv), _pack(layer.o)
                     layer.gate_up, layer.down = _pack(layer.gate_up), _pack(layer.down)
                 self._head = _pack(self._head)
-        self._version = version
+        self._stale = False
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -163,10 +157,10 @@ class LlamaDecodeStep:
              cache: DynamicCache) -> torch.Tensor:
         """Feed ``ids`` ([B] long) at ``positions`` ([B] long); ``mask`` [B, W + 1] (1 on real tokens,
         this step's column included) covers the cache's W tokens and this one. Appends this token's keys
-        and values to ``cache`` and returns the next-token logits [B, V]. Weights as of the last ``refresh``
-        (the first step builds them)."""
-        if self._version is None:
-            self.refresh()
+        and values to ``cache`` and returns the next-token logits [B, V]. Weights as of the first step after
+        construction or the last ``invalidate``."""
+        if self._stale:
+            self._build()
         b = ids.shape[0]
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
         x = self._embed[ids]  # [B, H]

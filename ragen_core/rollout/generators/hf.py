@@ -145,7 +145,7 @@ class HFGenerator:
         self._clear_sessions()
         self._weights_version = self._current_weights_version()
         if self._step is not None:
-            self._step.invalidate()  # the trainer may have changed the weights without moving their versions
+            self._step.invalidate()
 
     def generate(
         self,
@@ -170,11 +170,12 @@ class HFGenerator:
         self.model.eval()
         try:
             with torch.inference_mode(), gqa_attention(self.model):
-                if self._current_weights_version() != self._weights_version:
+                version = self._current_weights_version()
+                if version != self._weights_version:
                     self._clear_sessions()  # weights changed in place: every kept cache is stale
-                    self._weights_version = self._current_weights_version()
-                if self._step is not None:
-                    self._step.refresh()  # the decode step's fused weights, rebuilt if the weights moved
+                    self._weights_version = version
+                    if self._step is not None:
+                        self._step.invalidate()  # and so are the decode step's fused weights
                 rows = [self._plan(i, p, params, session_ids) for i, p in enumerate(prompts)]
                 return self._run(rows, params, session_ids)
         finally:
