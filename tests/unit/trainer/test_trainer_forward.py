@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from ragen_core.models import tiny_random
+from ragen_core.trainer import forward
 from ragen_core.trainer.forward import (
     ONE_PIECE_LOGITS_BYTES,
     chunked_logprobs,
     decoder_and_head,
     first_scored,
     hidden_states,
+    pack_pays,
     policy_forward,
     shared_prefix_groups,
     shift_values,
@@ -149,9 +151,35 @@ def test_shared_prefix_groups_golden() -> None:
     assert all(p == 0 for _, p in shared_prefix_groups(ids, attn, min_shared=22))
 
 
+def test_pack_pays_golden() -> None:
+    # Costs in token units, a (query, key) pair costing 1/3000 of a token.
+    # Tails 3, 5, 1 on a 20-token prefix: padded 3 x 5 x (1 + 25/3000) = 15.125, packed 9 x (1 + 29/3000)
+    # = 9.087 < 0.9 x 15.125: pack.
+    assert pack_pays([3, 5, 1], 20)
+    # Equal tails: packing removes no padding and adds attention across rows.
+    assert not pack_pays([4, 4], 18)
+    assert not pack_pays([7], 20)  # one row: nothing to pack
+    # A Bandit-like group: 8 replies of 10..48 tokens on a 190-token prefix (sum 208):
+    # padded 8 x 48 x (1 + 238/3000) = 414.5, packed 208 x (1 + 398/3000) = 235.6: pack.
+    assert pack_pays([48, 10, 20, 30, 25, 25, 30, 20], 190)
+    # Multi-turn rows of 500..700 tokens on a 300-token prefix (sum 4900): padded 8 x 700 x (1 + 1000/3000)
+    # = 7466.7, packed 4900 x (1 + 5200/3000) = 13393: the packed row's attention would cost more.
+    assert not pack_pays([700, 500, 600, 600, 600, 600, 600, 700], 300)
+
+
+@pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("lora", [False, True])
-def test_shared_prefix_forward_equals_plain_forward_values_and_grads(lora: bool) -> None:
+def test_shared_prefix_forward_equals_plain_forward_values_and_grads(
+    lora: bool, pack: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Packed: the group [1, 3, 5] (tails 3, 5, 1) runs its own tokens as one 9-token row; the group of
+    # two equal tails stays padded. Not packed: every group's tails run padded on a repeated prefix.
+    if not pack:
+        monkeypatch.setattr(forward, "pack_pays", lambda tails, prefix: False)
+    shapes: list[tuple[int, ...]] = []
     model, _ = tiny_random(0)
+    model.get_decoder().register_forward_pre_hook(
+        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -174,6 +202,7 @@ def test_shared_prefix_forward_equals_plain_forward_values_and_grads(lora: bool)
         return (hidden * attn[..., None]).detach(), grads
 
     h_shared, g_shared = run(True)
+    assert ((1, 9) in shapes) == pack  # the packed row: 3 + 5 + 1 own tokens
     h_plain, g_plain = run(False)
     torch.testing.assert_close(h_shared, h_plain, atol=1e-5, rtol=1e-5)
     assert g_shared.keys() == g_plain.keys() and g_plain
