@@ -130,6 +130,15 @@ def _can_share(decoder: nn.Module) -> bool:
     return getattr(config, "sliding_window", None) is None
 
 
+PACKED_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that take the packed row's block-diagonal 4D mask as it is (flash-attention
+kernels read only padding from a mask)."""
+
+
+def _can_pack(decoder: nn.Module) -> bool:
+    return getattr(getattr(decoder, "config", None), "_attn_implementation", None) in PACKED_ATTENTION
+
+
 def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden states of a decoder. input_ids, attention_mask: [B, T] -> [B, T, H].
 
@@ -161,7 +170,7 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
         cache = DynamicCache()
         head = decoder(input_ids=ids[:1, :prefix], attention_mask=m[:1, :prefix], past_key_values=cache, use_cache=True)
         tails = m[:, prefix:].sum(dim=1)  # [n] each row's own tokens (right-padded, at least 1)
-        if pack_pays(tails.tolist(), prefix):
+        if _can_pack(decoder) and pack_pays(tails.tolist(), prefix):
             tail = _packed_tail(decoder, ids[:, prefix:], tails, prefix, cache)
         else:
             cache.batch_repeat_interleave(len(rows))  # [1, heads, prefix, d] -> [n, heads, prefix, d]

@@ -254,3 +254,14 @@ def test_shared_prefix_only_with_full_attention_everywhere() -> None:
     decoder.config.layer_types = None
     decoder.config.sliding_window = 64
     assert not _can_share(decoder)
+
+
+def test_packing_only_with_attention_that_takes_a_4d_mask() -> None:
+    # The packed row needs its block-diagonal mask applied as given; flash-attention kernels only read padding.
+    from ragen_core.trainer.forward import _can_pack
+
+    model, _ = tiny_random(0)
+    decoder, _ = decoder_and_head(model)
+    assert decoder.config._attn_implementation == "sdpa" and _can_pack(decoder)
+    decoder.config._attn_implementation = "flash_attention_2"
+    assert not _can_pack(decoder)
