@@ -191,9 +191,9 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
 ATTENTION_PAIR_COST = 1 / 3000
 """Cost of one (query, key) attention pair relative to one token's linear layers. Per layer, a token's
-projections and MLP cost 2 × (4·H² + 3·H·I) ≈ 2 × 3.5 M FLOPs for SmolLM2-135M (H 576, I 1536, GQA keys
-counted at their 3 heads), a pair 4·H ≈ 2.3 k (scores and weighted values): about 1/3000. Larger models
-have a larger H per head count, so the ratio only falls; the estimate errs towards padding."""
+projections and MLP cost 2 × (2·H² + 2·H·K + 3·H·I) ≈ 7.1 M FLOPs for SmolLM2-135M (H 576, keys and values
+K 192, MLP I 1536), a pair 4·H ≈ 2.3 k (scores and weighted values): about 1/3000. The ratio falls as 1/H
+in larger models, so there the estimate errs towards padding."""
 
 
 def pack_pays(tails: list[int], prefix: int) -> bool:
