@@ -23,6 +23,9 @@ Three ratios (issue 5) and peak memory:
   step) and ``mem_step_s`` (the second step's wall time), for our update and the raw loop, each
   without and with activation checkpointing of the backbone (``model.gradient_checkpointing``).
   ``p2_ckpt`` = raw ÷ ours step time, both checkpointed (separate processes, run one after another).
+- ``pack``: one prompt group's forward + backward with its replies packed into one row vs padded to the
+  longest (``forward.hidden_states``), for four shapes of group; ``pack_speedup`` per case and
+  ``pack_model_right``: whether ``forward.pack_pays`` chose the faster layout in each.
 
 Run:  .venv/bin/python bench/update.py [--rows 16 --seq-len 384] [--no-trl]
 The last line printed is one JSON object.
@@ -255,6 +258,53 @@ def bench_mem(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- pack
+
+PACK_CASES = {  # (shared prefix, each row's own tokens): one prompt group of 8
+    "bandit": (190, [48, 10, 20, 30, 25, 25, 30, 20]),  # the demo's single-turn replies
+    "uneven_multi_turn": (300, [60, 500, 120, 500, 300, 200, 250, 70]),  # episodes ending at different turns
+    "even_multi_turn": (300, [400, 500, 450, 500, 420, 480, 460, 440]),  # the cost model should refuse this
+    "mixed": (200, [100, 20, 150, 40, 160, 30, 90, 60]),
+}
+
+
+def bench_pack(args: argparse.Namespace) -> dict[str, Any]:
+    """Forward + backward of one shared-prefix group, its replies packed into one row vs padded, against the
+    decision of ``forward.pack_pays``: ``pack_speedup`` = padded s / packed s per case (fastest of 2 each,
+    interleaved), ``pack_model_right`` whether the cost model picked the faster layout in every case."""
+    from unittest import mock
+
+    from ragen_core.models import load_model
+    from ragen_core.trainer import forward
+
+    torch.manual_seed(0)
+    model = load_model(DEFAULT_MODEL)
+    model.train()
+    decoder, _ = forward.decoder_and_head(model)
+    speedup, decided = {}, {}
+    for name, (prefix, tails) in PACK_CASES.items():
+        g = torch.Generator().manual_seed(len(tails) * prefix)
+        ids = torch.zeros(len(tails), prefix + max(tails), dtype=torch.long)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        ids[:, :prefix] = torch.randint(100, 40000, (prefix,), generator=g)
+        for row, n in enumerate(tails):
+            ids[row, prefix:prefix + n] = torch.randint(100, 40000, (n,), generator=g)
+            mask[row, :prefix + n] = True
+        best = {True: float("inf"), False: float("inf")}
+        for _ in range(2):
+            for pack in (True, False):
+                with mock.patch.object(forward, "pack_pays", lambda tails, prefix, pack=pack: pack), Clock() as clock:
+                    (forward.hidden_states(decoder, ids, mask) * mask[..., None]).sum().backward()
+                model.zero_grad(set_to_none=True)
+                best[pack] = min(best[pack], clock.wall)
+        speedup[name] = round(best[False] / best[True], 3)
+        decided[name] = forward.pack_pays(tails, prefix)
+        print(f"pack {name}: packed {best[True]:.2f} s, padded {best[False]:.2f} s; the cost model packs: "
+              f"{decided[name]}", flush=True)
+    right = all(decided[name] == (speedup[name] > 1.0) for name in PACK_CASES)
+    return {"pack_speedup": speedup, "pack_decided": decided, "pack_model_right": right}
+
+
 # --------------------------------------------------------------------------- p5
 
 
@@ -449,7 +499,8 @@ def main() -> None:
     parser.add_argument("--p3-steps", type=int, default=2, help="p3: timed steps per side (after one warm-up)")
     parser.add_argument("--trl-venv", default="/tmp/ragen-trl-venv", help="where the TRL interpreter lives")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL side of p3 (p3 is then null)")
-    parser.add_argument("--only", nargs="*", choices=["p2", "mem", "p5", "p3"], default=["p2", "mem", "p5", "p3"])
+    parser.add_argument("--only", nargs="*", choices=["p2", "mem", "pack", "p5", "p3"],
+                        default=["p2", "mem", "pack", "p5", "p3"])
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--mem-worker", choices=MEM_SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -471,6 +522,8 @@ def main() -> None:
         result.update(bench_p2(args))
     if "mem" in args.only:
         result.update(bench_mem(args))
+    if "pack" in args.only:
+        result.update(bench_pack(args))
     if "p5" in args.only:
         result.update(bench_p5(args))
     if "p3" in args.only:
