@@ -99,12 +99,12 @@ def main() -> None:
                       plain_iterations_s=[round(row[ITERATION], 2) for row in plain_rows],
                       flow_iterations_s=[round(row[ITERATION], 2) for row in flow_rows],
                       orchestration_tracking_share=round(1 - plain_s / flow_s, 4))
-        # Where the flow's extra seconds go: inside the rollout and update themselves (the same work, so
-        # slower only by CPU contention with the Prefect/MLflow threads of the process), or between steps.
+        # Where the flow's extra seconds go: inside the rollout and update themselves (the same work, so a
+        # difference there is noise or CPU contention, e.g. with the flow process's Prefect threads), or between.
         inside = {key: [round(_mean_of(plain_rows[1:], key), 3), round(_mean_of(flow_rows[1:], key), 3)]
                   for key in STEP_TIMES}
         result["plain_vs_flow_step_s"] = inside
-        # The same work in the steps varies by 10% from one iteration to the next on a shared 2-core machine,
+        # The same work in the steps varies by 10-18% between iterations on a shared 2-core machine,
         # more than the target. The seconds outside the timed steps are the orchestration and tracking
         # themselves (plus the plain side's own record and filter), so their difference is the overhead
         # measured without the steps' noise.
