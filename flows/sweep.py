@@ -133,13 +133,13 @@ def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str
         for key in RESULT_ATTRS:
             trial.set_user_attr(key, None)
     params = suggest_params(trial, plan)
+    trial.set_user_attr("worker", worker_name())  # every trial a worker took, a skipped duplicate too
     other = duplicate_of(trial.study, trial.number)
     if other is not None:
         trial.set_user_attr("skipped", f"same grid point as trial {other}")
         raise DuplicateTrial(f"trial {trial.number} skipped: trial {other} runs the same grid point {params}")
     experiment, overrides = trial_experiment(plan.sweep, params, plan.bases)
     trial.set_user_attr("overrides", overrides)
-    trial.set_user_attr("worker", worker_name())
     try:
         result = train_trial(plan, experiment, overrides, parent_run_id, trial.number,
                              trial_spec(plan.sweep, url, trial.number))
