@@ -3,7 +3,8 @@
 Three ratios (issue 5) and peak memory:
 
 - ``p2`` = our update's tokens/s ÷ a raw forward+backward+AdamW (fused, as ours) loop's tokens/s, same model,
-  same rows × length, same micro-batching (target ≥ 0.85). The update is actor-only here
+  same rows × length, same micro-batches (``--micro`` rows and ``--micro-tokens`` token positions at most,
+  default the config's ``trainer.micro_batch_tokens``: 512, so 384-token rows go one by one) (target ≥ 0.85). The update is actor-only here
   (GRPO, no KL, no critic) so both sides train one model; the raw loop computes the full
   [B, T, V] logits and a masked next-token log-likelihood. Our side adds entropy, the PPO loss
   and its statistics, and skips the output layer on the prompt. Each side first runs one untimed
@@ -49,6 +50,8 @@ from typing import Any, Self
 
 import psutil
 import torch
+
+from ragen_core.config import TrainerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -151,12 +154,21 @@ def synthetic_batch(rows: int, seq_len: int, group_size: int, vocab: int, seed: 
 # --------------------------------------------------------------------------- p2
 
 
-def raw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, micro: int) -> None:
+def raw_blocks(cfg, batch) -> list[slice]:
+    """The raw loop's micro-batches: the rows our update puts together (``update.micro_blocks`` with the same
+    row and token limits; the synthetic rows share no prompt, so sharing and packing change nothing)."""
+    from ragen_core.trainer.update import micro_blocks
+
+    return micro_blocks(batch.input_ids, batch.attention_mask, cfg.trainer.micro_batch_size,
+                        cfg.trainer.micro_batch_tokens, share=False, pack=False)
+
+
+def raw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, blocks: list[slice]) -> None:
     """The baseline: forward with full logits, masked next-token log-likelihood, backward, clip, AdamW."""
     n_loss = float(batch.loss_mask[:, 1:].sum())
-    for s in range(0, batch.batch_size, micro):
-        ids, mask = batch.input_ids[s:s + micro], batch.loss_mask[s:s + micro, 1:]
-        logits = model(input_ids=ids, attention_mask=batch.attention_mask[s:s + micro].long()).logits
+    for s in blocks:
+        ids, mask = batch.input_ids[s], batch.loss_mask[s, 1:]
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask[s].long()).logits
         logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         (-(logp * mask).sum() / n_loss).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -168,10 +180,12 @@ def bench_p2(args: argparse.Namespace) -> dict[str, Any]:
     from ragen_core.trainer import init_state, update
 
     cfg = _cfg("grpo", "algorithm.kl_coef=0.0", f"trainer.micro_batch_size={args.micro}",
+               f"trainer.micro_batch_tokens={args.micro_tokens}",
                f"trainer.logprob_chunk={args.chunk}", f"rollout.responses_per_prompt={args.group_size}")
     state = init_state(cfg)
     vocab = int(state.models.actor.config.vocab_size)
     batch = synthetic_batch(args.rows, args.seq_len, args.group_size, vocab)
+    blocks = raw_blocks(cfg, batch)
     raw_state = init_state(cfg)  # an identical, separate model for the raw loop
     raw_model = raw_state.models.actor
     raw_opt = torch.optim.AdamW(raw_model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01, fused=True)
@@ -182,7 +196,7 @@ def bench_p2(args: argparse.Namespace) -> dict[str, Any]:
     with mem_ours.measure(), Clock() as first_ours:
         update(state, batch, cfg)
     with mem_raw.measure(), Clock() as first_raw:
-        raw_step(raw_model, raw_opt, batch, args.micro)
+        raw_step(raw_model, raw_opt, batch, blocks)
     ours_s, raw_s, ours_cpu, raw_cpu = [], [], [], []
 
     for r in range(args.repeats):  # interleaved, the order alternating, so load changes hit both sides alike
@@ -191,7 +205,7 @@ def bench_p2(args: argparse.Namespace) -> dict[str, Any]:
                 if ours_side:
                     update(state, batch, cfg)
                 else:
-                    raw_step(raw_model, raw_opt, batch, args.micro)
+                    raw_step(raw_model, raw_opt, batch, blocks)
             (ours_s if ours_side else raw_s).append(clock.wall)
             (ours_cpu if ours_side else raw_cpu).append(clock.cpu)
     tokens = float(batch.attention_mask.sum())
@@ -222,6 +236,7 @@ def mem_worker(args: argparse.Namespace) -> None:
     mem = PeakRSS()
     with mem.measure():
         cfg = _cfg("grpo", "algorithm.kl_coef=0.0", f"trainer.micro_batch_size={args.micro}",
+                   f"trainer.micro_batch_tokens={args.micro_tokens}",
                    f"trainer.logprob_chunk={args.chunk}", f"rollout.responses_per_prompt={args.group_size}",
                    f"model.gradient_checkpointing={str(ckpt).lower()}")
         state = init_state(cfg)
@@ -231,7 +246,7 @@ def mem_worker(args: argparse.Namespace) -> None:
             model = state.models.actor
             opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01, fused=True)
             # AdamW's moments exist from the first step on, as they do for our side after its first step
-            step = lambda: raw_step(model, opt, batch, args.micro)  # noqa: E731
+            step = lambda: raw_step(model, opt, batch, raw_blocks(cfg, batch))  # noqa: E731
         else:
             step = lambda: update(state, batch, cfg)  # noqa: E731
         setup = psutil.Process().memory_info().rss
@@ -248,6 +263,7 @@ def bench_mem(args: argparse.Namespace) -> dict[str, Any]:
         _release_memory()
         proc = subprocess.run([sys.executable, __file__, "--mem-worker", side, "--rows", str(args.rows),
                                "--seq-len", str(args.seq_len), "--micro", str(args.micro), "--chunk", str(args.chunk),
+                               "--micro-tokens", args.micro_tokens,
                                "--group-size", str(args.group_size)],
                               check=True, capture_output=True, text=True, cwd=REPO)
         row = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -485,7 +501,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16, help="p2: sequences in the update batch")
     parser.add_argument("--seq-len", type=int, default=384, help="p2: tokens per sequence")
-    parser.add_argument("--micro", type=int, default=4, help="micro-batch rows (p2, p5)")
+    parser.add_argument("--micro", type=int, default=4, help="micro-batch rows at most (p2, mem, p5)")
+    parser.add_argument("--micro-tokens", default=str(TrainerConfig.micro_batch_tokens),
+                        help="p2, mem: trainer.micro_batch_tokens, a number or null (rows only)")
     parser.add_argument("--chunk", type=int, default=128, help="trainer.logprob_chunk")
     parser.add_argument("--group-size", type=int, default=4, help="p2: rows per prompt group")
     parser.add_argument("--repeats", type=int, default=2,

@@ -268,7 +268,12 @@ class TrainerConfig:
                                         "vanilla 8x16 takes 4 steps, StarPO-S 1); None: online_k equal mini-batches",
                                     ge=1)
     ppo_epochs: int = F(1, "passes over each mini-batch", ge=1)
-    micro_batch_size: int = F(4, "trajectories per forward/backward (token-mean stays exact)", ge=1)
+    micro_batch_size: int = F(4, "at most this many trajectories per forward/backward (token-mean stays exact)",
+                              ge=1)
+    micro_batch_tokens: int | None = F(512, "at most this many token positions per forward/backward, padding "
+                                            "included and a prompt group's shared prefix counted once: bounds "
+                                            "the update's activation memory (a longer row goes alone); None: "
+                                            "rows only", ge=1)
     logprob_chunk: int = F(128, "sequence chunk for log-prob/entropy to bound logits memory", ge=1)
     backend: Literal["torch", "deepspeed"] = F("torch", "training backend")
     zero_stage: int = F(0, "DeepSpeed ZeRO stage", ge=0, le=3)

@@ -16,7 +16,7 @@ and says nothing). Prompts are keyed by their ids, so groups that share an initi
 candidate reasoning (the cache is repeated over a batch of reasonings, which then run only their own
 tokens): N prompt passes of P tokens plus N·M reasoning rows of L tokens, instead of N·M rows of
 P + L (the prompt is ~5x longer than a reasoning on Sokoban). Models whose layers are not all full
-attention (a sliding-window cache would crop the repeated prompt, see ``forward._can_share``) run
+attention (a sliding-window cache would crop the repeated prompt, see ``forward.can_share``) run
 whole [x_j ; z_i] rows instead, still batched. The pure math is ``ragen_core/algos/collapse.py``.
 
 Tests: ``.venv/bin/python -m pytest tests/unit/trainer/test_trainer_collapse.py -q`` (against a naive
@@ -37,7 +37,7 @@ import torch
 
 from ragen_core.algos import losses
 from ragen_core.algos.collapse import collapse_metrics
-from ragen_core.trainer.forward import ONE_PIECE_LOGITS_BYTES, _can_share, decoder_and_head, vocab_size
+from ragen_core.trainer.forward import ONE_PIECE_LOGITS_BYTES, can_share, decoder_and_head, vocab_size
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedTokenizerBase
@@ -152,7 +152,7 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], rea
     order = torch.argsort(lengths, stable=True)  # [M] batches of reasonings of similar length
     vocab = vocab_size(head)
     rows_per_pass = max(1, logits_bytes // (width * vocab * 4))
-    share = _can_share(decoder)
+    share = can_share(decoder)
     out = torch.empty(m, len(prompts), dtype=torch.float32, device=device)
     was_training = model.training
     model.eval()

@@ -22,6 +22,7 @@ Run the tests with ``python -m pytest tests/unit/trainer -q``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -35,6 +36,9 @@ __all__ = [
     "MIN_SHARED_PREFIX",
     "ONE_PIECE_LOGITS_BYTES",
     "PolicyOutput",
+    "backbone_tokens",
+    "can_pack",
+    "can_share",
     "chunked_logprobs",
     "decoder_and_head",
     "first_scored",
@@ -118,7 +122,7 @@ def shared_prefix_groups(
     return groups
 
 
-def _can_share(decoder: nn.Module) -> bool:
+def can_share(decoder: nn.Module) -> bool:
     """Prefix sharing needs the KV cache (off under gradient checkpointing in training) and plain
     full attention in every layer (a sliding-window cache would crop the repeated prefix)."""
     if decoder.training and getattr(decoder, "gradient_checkpointing", False):
@@ -135,7 +139,7 @@ PACKED_ATTENTION = ("sdpa", "eager")
 kernels read only padding from a mask)."""
 
 
-def _can_pack(decoder: nn.Module) -> bool:
+def can_pack(decoder: nn.Module) -> bool:
     return getattr(getattr(decoder, "config", None), "_attn_implementation", None) in PACKED_ATTENTION
 
 
@@ -156,7 +160,7 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
     checkpointing, which switches the cache off, nor with sliding-window layers.
     """
     mask = attention_mask.long()
-    groups = [g for g in shared_prefix_groups(input_ids, attention_mask) if g[1] > 0] if _can_share(decoder) else []
+    groups = [g for g in shared_prefix_groups(input_ids, attention_mask) if g[1] > 0] if can_share(decoder) else []
     if not groups:
         return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     # lazily: transformers takes seconds to import and only model code paths need it
@@ -170,7 +174,7 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
         cache = DynamicCache()
         head = decoder(input_ids=ids[:1, :prefix], attention_mask=m[:1, :prefix], past_key_values=cache, use_cache=True)
         tails = m[:, prefix:].sum(dim=1)  # [n] each row's own tokens (right-padded, at least 1)
-        if _can_pack(decoder) and pack_pays(tails.tolist(), prefix):
+        if can_pack(decoder) and pack_pays(tails.tolist(), prefix):
             tail = _packed_tail(decoder, ids[:, prefix:], tails, prefix, cache)
         else:
             cache.batch_repeat_interleave(len(rows))  # [1, heads, prefix, d] -> [n, heads, prefix, d]
@@ -210,6 +214,29 @@ def pack_pays(tails: list[int], prefix: int) -> bool:
     padded = n * longest * (1 + (prefix + longest) * ATTENTION_PAIR_COST)
     packed = total * (1 + (prefix + total) * ATTENTION_PAIR_COST)
     return n > 1 and packed < 0.9 * padded
+
+
+def backbone_tokens(lengths: Sequence[int], groups: Sequence[tuple[Sequence[int], int]], pack: bool) -> int:
+    """Token positions :func:`hidden_states` runs for one micro-batch, padding included (its compute and
+    activation memory both grow with this).
+
+    lengths: each row's real length; groups: [(rows, shared prefix)] as :func:`shared_prefix_groups`
+    gives them, or [] where the decoder cannot share (:func:`can_share`); pack: :func:`can_pack`.
+    The micro-batch is padded to W = max(lengths). A group of n > 1 rows with a prefix runs the prefix
+    once, then its rows' own tokens packed (sum of the tails, when :func:`pack_pays`) or padded
+    (n × (W − prefix)); every other row runs whole, padded to W.
+    """
+    if not lengths:
+        return 0
+    width = max(lengths)
+    total, alone = 0, len(lengths)
+    for rows, prefix in groups:
+        if prefix <= 0 or len(rows) < 2:
+            continue
+        tails = [lengths[r] - prefix for r in rows]
+        total += prefix + (sum(tails) if pack and pack_pays(tails, prefix) else len(rows) * (width - prefix))
+        alone -= len(rows)
+    return total + alone * width
 
 
 def _packed_tail(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, prefix: int,

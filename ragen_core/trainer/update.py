@@ -17,10 +17,14 @@ Steps (the math is ``ragen_core.algos``; this module only orchestrates):
    kept rows 1. Online-k needs nothing more: its rollout has k·P groups, so k
    times the rows and k times the steps. ``mini_batch_rows: None`` splits the
    rows into ``online_k`` equal mini-batches instead (one step per k). Each
-   mini-batch is split into micro-batches of ``trainer.micro_batch_size`` rows
-   whose losses are normalised by the whole mini-batch's count (rows with loss
-   tokens for the seq-mean aggregations, loss tokens for token-mean), so the
-   accumulated gradient is exactly the mini-batch's.
+   mini-batch is split into micro-batches of consecutive rows, at most
+   ``trainer.micro_batch_size`` rows and ``trainer.micro_batch_tokens`` token positions
+   as the backbone runs them (:func:`micro_blocks`), whose losses are normalised by the
+   whole mini-batch's count (rows with loss tokens for the seq-mean aggregations, loss
+   tokens for token-mean), so the accumulated gradient is exactly the mini-batch's.
+   The token budget bounds the update's memory whatever the rows' lengths: a prompt
+   group of short replies (its prompt run once) stays in one micro-batch, 384-token
+   rows go one by one.
 4. Actor loss = policy loss − entropy_coef·entropy (+ kl_coef·KL in the loss);
    critic loss = clipped value loss. The gradient norm is taken over each
    mini-batch's accumulated gradient (the whole update, not one micro-batch).
@@ -54,12 +58,20 @@ from ragen_core.algos import advantages as adv_fns
 from ragen_core.algos import losses
 from ragen_core.algos.masked import masked_mean, masked_var, masked_whiten
 from ragen_core.config import AlgorithmConfig, ExperimentConfig
-from ragen_core.trainer.forward import first_scored, policy_forward
+from ragen_core.trainer.forward import (
+    backbone_tokens,
+    can_pack,
+    can_share,
+    decoder_and_head,
+    first_scored,
+    policy_forward,
+    shared_prefix_groups,
+)
 from ragen_core.trainer.models import PolicyModels, critic_values, reference_logprobs
 from ragen_core.trainer.state import TrainState
 from ragen_core.types import TokenBatch, UpdateStats
 
-__all__ = ["ESTIMATORS", "compute_advantages", "micro_slices", "mini_batch_rows", "rank_micro_rows", "update"]
+__all__ = ["ESTIMATORS", "compute_advantages", "micro_blocks", "micro_slices", "mini_batch_rows", "rank_micro_rows", "update"]
 
 Estimator = Callable[[TokenBatch, torch.Tensor, "torch.Tensor | None", AlgorithmConfig],
                      tuple[torch.Tensor, "torch.Tensor | None"]]
@@ -128,18 +140,58 @@ def micro_slices(n_rows: int, micro_batch_size: int) -> list[slice]:
     return [slice(s, min(s + micro_batch_size, n_rows)) for s in range(0, n_rows, micro_batch_size)]
 
 
-def rank_micro_rows(n_rows: int, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> list[torch.Tensor]:
+def micro_blocks(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_rows: int, max_tokens: int | None = None,
+                 share: bool = True, pack: bool = True) -> list[slice]:
+    """Consecutive row slices covering a right-padded batch (input_ids, attention_mask: [B, T]): each at
+    most ``max_rows`` rows and, with ``max_tokens``, at
+    most that many token positions as the backbone runs them (:func:`forward.backbone_tokens`: padding
+    counted, a prompt group's shared prefix once), except a single row longer than the budget, which goes
+    alone. share / pack: whether the actor's backbone shares prefixes / packs tails (``forward.can_share``,
+    ``forward.can_pack``). Deterministic: the same batch gives the same slices on every rank.
+
+    The groups are found once over the whole batch; a slice holding part of a group counts it with the
+    whole group's prefix, which is never longer than what the slice's rows share (an upper bound).
+    """
+    n = input_ids.shape[0]
+    if max_tokens is None:
+        return micro_slices(n, max_rows)
+    lengths = [int(x) for x in attention_mask.sum(dim=1).tolist()]
+    groups = shared_prefix_groups(input_ids, attention_mask) if share else []
+    group_of = {r: (g, prefix) for g, (rows, prefix) in enumerate(groups) for r in rows if prefix > 0}
+
+    def cost(start: int, stop: int) -> int:
+        members: dict[int, tuple[list[int], int]] = {}
+        for r in range(start, stop):
+            if r in group_of:
+                g, prefix = group_of[r]
+                members.setdefault(g, ([], prefix))[0].append(r - start)
+        return backbone_tokens(lengths[start:stop], list(members.values()), pack)
+
+    slices, start = [], 0
+    while start < n:
+        stop = start + 1  # a row always goes, even one over the budget
+        while stop < n and stop - start < max_rows and cost(start, stop + 1) <= max_tokens:
+            stop += 1
+        slices.append(slice(start, stop))
+        start = stop
+    return slices
+
+
+def rank_micro_rows(n_rows: int, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+                    blocks: list[slice] | None = None) -> list[torch.Tensor]:
     """One rank's micro-batches of a mini-batch of ``n_rows`` rows, as row indices; as many on every rank.
 
-    The rows go in consecutive blocks of ``micro_batch_size × world_size``, each cut
-    into ``world_size`` near-equal contiguous parts; rank r takes part r of every
-    block. With world_size 1 these are exactly :func:`micro_slices`. A part can be
+    The rows go in consecutive blocks (``blocks``, as :func:`micro_blocks` cuts them for
+    ``world_size`` ranks; by default :func:`micro_slices` of ``micro_batch_size × world_size``),
+    each cut into ``world_size`` near-equal contiguous parts; rank r takes part r of every
+    block. With world_size 1 these are exactly the blocks. A part can be
     empty (a last block shorter than world_size): the caller still makes a backward
     for it, because ZeRO-2 reduces gradients inside every backward and the ranks'
     collectives must pair up.
     """
-    return [torch.tensor_split(torch.arange(s.start, s.stop), world_size)[rank]
-            for s in micro_slices(n_rows, micro_batch_size * world_size)]
+    if blocks is None:
+        blocks = micro_slices(n_rows, micro_batch_size * world_size)
+    return [torch.tensor_split(torch.arange(s.start, s.stop), world_size)[rank] for s in blocks]
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -305,7 +357,12 @@ def _mini_batch_step(
     norm = losses.aggregation_normaliser(mb.loss_mask, algo.loss_agg)
     totals: dict[str, float] = defaultdict(float)
     rank, world_size = state.actor_engine.data_parallel  # (0, 1) unless data parallel: then this rank's rows only
-    for idx in rank_micro_rows(mb.batch_size, cfg.trainer.micro_batch_size, rank, world_size):
+    tr = cfg.trainer
+    decoder = decoder_and_head(models.actor)[0]
+    blocks = micro_blocks(mb.input_ids, mb.attention_mask, tr.micro_batch_size * world_size,
+                          None if tr.micro_batch_tokens is None else tr.micro_batch_tokens * world_size,
+                          share=can_share(decoder), pack=can_pack(decoder))
+    for idx in rank_micro_rows(mb.batch_size, tr.micro_batch_size, rank, world_size, blocks):
         weight, micro_meter = 1.0, meter  # the meter this micro-batch's losses log their stats into
         if idx.numel() == 0:  # no row left for this rank: a zero-weighted stand-in keeps its backwards paired
             idx, weight, micro_meter = torch.zeros(1, dtype=torch.long), 0.0, _Meter()  # stats thrown away

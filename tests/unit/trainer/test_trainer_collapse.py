@@ -81,7 +81,7 @@ def test_whole_row_fallback_matches_too(tiny: tuple[PreTrainedModel, PreTrainedT
     gen = torch.Generator().manual_seed(1)
     prompts = _random_ids(gen, 2, 5, 30, model.config.vocab_size)
     reasonings = _random_ids(gen, 5, 1, 10, model.config.vocab_size)
-    monkeypatch.setattr(collapse, "_can_share", lambda decoder: False)
+    monkeypatch.setattr(collapse, "can_share", lambda decoder: False)
     fast = collapse.cross_logprobs(model, prompts, reasonings, logits_bytes=1)
     torch.testing.assert_close(fast, _naive(model, prompts, reasonings), atol=1e-4, rtol=0)
 

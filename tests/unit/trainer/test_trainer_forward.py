@@ -12,6 +12,7 @@ from ragen_core.models import tiny_random
 from ragen_core.trainer import forward
 from ragen_core.trainer.forward import (
     ONE_PIECE_LOGITS_BYTES,
+    backbone_tokens,
     chunked_logprobs,
     decoder_and_head,
     first_scored,
@@ -243,25 +244,60 @@ def test_first_scored() -> None:
 
 def test_shared_prefix_only_with_full_attention_everywhere() -> None:
     # A sliding-window cache crops what it keeps, so a repeated prefix would not be the full one.
-    from ragen_core.trainer.forward import _can_share
+    from ragen_core.trainer.forward import can_share
 
     model, _ = tiny_random(0)
     decoder, _ = decoder_and_head(model)
-    assert _can_share(decoder)
+    assert can_share(decoder)
     n = decoder.config.num_hidden_layers
     decoder.config.layer_types = ["full_attention"] * (n - 1) + ["sliding_attention"]
-    assert not _can_share(decoder)
+    assert not can_share(decoder)
     decoder.config.layer_types = None
     decoder.config.sliding_window = 64
-    assert not _can_share(decoder)
+    assert not can_share(decoder)
 
 
 def test_packing_only_with_attention_that_takes_a_4d_mask() -> None:
     # The packed row needs its block-diagonal mask applied as given; flash-attention kernels only read padding.
-    from ragen_core.trainer.forward import _can_pack
+    from ragen_core.trainer.forward import can_pack
 
     model, _ = tiny_random(0)
     decoder, _ = decoder_and_head(model)
-    assert decoder.config._attn_implementation == "sdpa" and _can_pack(decoder)
+    assert decoder.config._attn_implementation == "sdpa" and can_pack(decoder)
     decoder.config._attn_implementation = "flash_attention_2"
-    assert not _can_pack(decoder)
+    assert not can_pack(decoder)
+
+
+def test_backbone_tokens_golden() -> None:
+    # Three rows of 10, 12 and 8 tokens, padded to W = 12; rows 0 and 1 share a 6-token prefix (tails 4, 6).
+    # Padded tails: the prefix once, then 2 x (12 - 6) = 12, and row 2 whole, padded: 6 + 12 + 12 = 30.
+    assert backbone_tokens([10, 12, 8], [([0, 1], 6), ([2], 0)], pack=False) == 30
+    # Packed: padded 2 x 6 x (1 + 12/3000) = 12.02, packed 10 x (1 + 16/3000) = 10.05 < 0.9 x 12.02, so the
+    # tails run as one 4 + 6 row: 6 + 10 + 12 = 28.
+    assert backbone_tokens([10, 12, 8], [([0, 1], 6), ([2], 0)], pack=True) == 28
+    # No groups (the decoder cannot share): every row padded to W: 3 x 12.
+    assert backbone_tokens([10, 12, 8], [], pack=True) == 36
+    # A group with one row present (the rest of its group in another micro-batch) runs whole.
+    assert backbone_tokens([10, 8], [([0], 6)], pack=True) == 20
+    assert backbone_tokens([], [], pack=True) == 0
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_backbone_tokens_counts_what_hidden_states_runs(pack: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The micro-batch budget (trainer.micro_batch_tokens) counts tokens with backbone_tokens: it must be the
+    # token positions hidden_states really feeds the decoder. _grouped_batch, W = 25: group [0, 4] (prefix 21,
+    # tails 1, 1: padded) 21 + 2 x 4 = 29; group [1, 3, 5] (prefix 20, tails 3, 5, 1) 20 + 9 = 29 packed or
+    # 20 + 3 x 5 = 35 padded; row 2 whole: 25. So 83 packed, 89 padded.
+    if not pack:
+        monkeypatch.setattr(forward, "pack_pays", lambda tails, prefix: False)
+    model, _ = tiny_random(0)
+    decoder, _ = decoder_and_head(model)
+    fed: list[int] = []
+    decoder.register_forward_pre_hook(lambda mod, args, kwargs: fed.append(kwargs["input_ids"].numel()),
+                                      with_kwargs=True)
+    ids, attn = _grouped_batch(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden_states(decoder, ids, attn)
+    lengths = attn.sum(dim=1).tolist()
+    expected = backbone_tokens(lengths, shared_prefix_groups(ids, attn), pack=forward.can_pack(decoder))
+    assert sum(fed) == expected == (83 if pack else 89)

@@ -15,6 +15,7 @@ from conftest import make_batch, make_cfg
 from ragen_core.algos import losses
 from ragen_core.trainer import filter_batch, init_state, update
 from ragen_core.trainer.forward import decoder_and_head, policy_forward
+from ragen_core.trainer.update import micro_blocks
 
 EXPECTED_KEYS = {
     "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/clipfrac_upper", "actor/clipfrac_lower",
@@ -312,3 +313,59 @@ def test_advantage_scale_scales_the_policy_gradient() -> None:
         grads[scale] = seen[0]
     for full, half in zip(grads[1.0], grads[0.5], strict=True):
         torch.testing.assert_close(half, 0.5 * full, atol=1e-7, rtol=1e-5)
+
+
+def _rows(*rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], attn[i, : len(r)] = torch.tensor(r), True
+    return ids, attn
+
+
+def test_micro_blocks_golden() -> None:
+    # Rows 0-3: a group sharing a 20-token prompt, tails 2, 3, 2, 3 (lengths 22, 23, 22, 23); rows 4, 5: 30
+    # tokens each, sharing nothing; row 6: 5 tokens.
+    prompt = list(range(1, 21))
+    ids, attn = _rows(*[prompt + [100 + r] * t for r, t in enumerate((2, 3, 2, 3))],
+                      list(range(200, 230)), list(range(300, 330)), list(range(400, 405)))
+    # Budget 40: rows 0-3 cost 20 + 10 packed = 30 (pack_pays: 10 x (1 + 30/3000) = 10.1 < 0.9 x 4 x 3 x
+    # (1 + 23/3000) = 10.88); adding row 4 widens the micro-batch to 30: 30 + 30 = 60 > 40. Rows 4 and 5
+    # together: 2 x 30 = 60 > 40, each alone; row 6 is left alone at the end.
+    assert micro_blocks(ids, attn, 8, 40) == [slice(0, 4), slice(4, 5), slice(5, 6), slice(6, 7)]
+    assert micro_blocks(ids, attn, 2, 40) == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6), slice(6, 7)]
+    # A row over the budget still goes, alone (rows 4 and 5: 30 > 20); rows 0 and 1 cost 25 > 20.
+    assert micro_blocks(ids, attn, 8, 20) == [slice(r, r + 1) for r in range(7)]
+    # Without prefix sharing (gradient checkpointing) rows 0 and 1 cost 2 x 23 = 46 > 40.
+    assert micro_blocks(ids, attn, 8, 40, share=False) == [slice(r, r + 1) for r in range(7)]
+    # Padded instead of packed: rows 0-3 cost 20 + 4 x 3 = 32, still one micro-batch.
+    assert micro_blocks(ids, attn, 8, 40, pack=False)[0] == slice(0, 4)
+    # No token budget: rows only.
+    assert micro_blocks(ids, attn, 8, None) == [slice(0, 7)]
+    assert micro_blocks(ids, attn, 3, None) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+
+
+@pytest.mark.parametrize("preset", ["starpo", "grpo"])
+def test_token_budget_micro_batches_give_the_same_gradient(preset: str) -> None:
+    # make_batch's rows are 11-15 tokens (no shared prompts): a 24-token budget makes micro-batches of
+    # 1, 1, 1, 1, 1, 1, 2 rows (rows 6 and 7, 12 and 11 tokens, pad to 2 x 12), None one of all 8. The
+    # accumulated gradients (actor and critic) and the grad norm are the same.
+    batch = make_batch()
+    assert batch.attention_mask.sum(1).tolist() == [15, 11, 15, 14, 12, 15, 12, 11]
+    assert [b.stop - b.start for b in micro_blocks(batch.input_ids, batch.attention_mask, 8, 24)] == [1] * 6 + [2]
+    grads, norms, calls = {}, {}, {}
+    for budget in ("24", "null"):
+        cfg = make_cfg(preset, "trainer.micro_batch_size=8", f"trainer.micro_batch_tokens={budget}",
+                       "algorithm.kl_coef=0.0")
+        state = init_state(cfg)
+        calls[budget] = _count_calls(decoder_and_head(state.models.actor)[0])
+        actor_grads = _capture_grads(state.actor_engine)
+        critic_grads = _capture_grads(state.critic_engine) if state.critic_engine else []
+        stats = update(state, batch, cfg)
+        grads[budget] = actor_grads[0] + (critic_grads[0] if critic_grads else [])
+        norms[budget] = stats.metrics["actor/grad_norm"]
+    assert (calls["24"][0], calls["null"][0]) == (7, 1)  # one actor forward per micro-batch
+    for a, b in zip(grads["24"], grads["null"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert norms["24"] == pytest.approx(norms["null"], rel=1e-5)
