@@ -96,23 +96,28 @@ def shared_prefix_groups(
     """Rows of a right-padded batch that share a leading prefix, as [(rows, prefix length)].
 
     input_ids, attention_mask: [B, T]. A row joins the group whose first row shares the
-    longest prefix with it, if that is at least ``min_shared`` tokens; a group's prefix is the
-    shortest such share among its rows, and always leaves each row at least one token of its
-    own (a query with nothing to attend to but padding would be undefined). Rows sharing
-    nothing form groups of one with prefix 0. Every row is in exactly one group.
+    longest prefix with it, if that is at least ``min_shared`` tokens and joining saves work; a
+    group's prefix is the shortest such share among its rows, and always leaves each row at least
+    one token of its own (a query with nothing to attend to but padding would be undefined).
+    Joining a group of n rows with prefix p at a shorter share s makes its n rows run p − s more
+    tokens each and saves the new row s: a row joins only when s > n·(p − s). So two prompt groups
+    whose prompts part after a few tokens (Bandit's seeds share a 38-token system prompt, then a
+    190-token prompt within a group) stay two groups with their whole prompts, not one on the 38.
+    Rows sharing nothing form groups of one with prefix 0. Every row is in exactly one group.
     """
     ids = input_ids.tolist()
     lengths = attention_mask.sum(dim=1).tolist()
     groups: list[tuple[list[int], int]] = []
     for r, row in enumerate(ids):
         best, best_len = -1, 0
-        for g, (rows, _) in enumerate(groups):
+        for g, (rows, prefix) in enumerate(groups):
             head = rows[0]
             cap = min(int(lengths[r]), int(lengths[head])) - 1
             n = 0
             while n < cap and row[n] == ids[head][n]:
                 n += 1
-            if n >= min_shared and n > best_len:
+            saves = len(rows) == 1 or n >= prefix or n > len(rows) * (prefix - n)
+            if n >= min_shared and n > best_len and saves:
                 best, best_len = g, n
         if best < 0:
             groups.append(([r], 0))

@@ -149,23 +149,17 @@ def micro_blocks(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_rows
     alone. share / pack: whether the actor's backbone shares prefixes / packs tails (``forward.can_share``,
     ``forward.can_pack``). Deterministic: the same batch gives the same slices on every rank.
 
-    The groups are found once over the whole batch; a slice holding part of a group counts it with the
-    whole group's prefix, which is never longer than what the slice's rows share (an upper bound).
+    A slice's cost is what ``forward.hidden_states`` will run for exactly those rows (their own prefix
+    groups), so a slice holding part of a prompt group counts the prefix its rows share.
     """
     n = input_ids.shape[0]
     if max_tokens is None:
         return micro_slices(n, max_rows)
     lengths = [int(x) for x in attention_mask.sum(dim=1).tolist()]
-    groups = shared_prefix_groups(input_ids, attention_mask) if share else []
-    group_of = {r: (g, prefix) for g, (rows, prefix) in enumerate(groups) for r in rows if prefix > 0}
 
     def cost(start: int, stop: int) -> int:
-        members: dict[int, tuple[list[int], int]] = {}
-        for r in range(start, stop):
-            if r in group_of:
-                g, prefix = group_of[r]
-                members.setdefault(g, ([], prefix))[0].append(r - start)
-        return backbone_tokens(lengths[start:stop], list(members.values()), pack)
+        groups = shared_prefix_groups(input_ids[start:stop], attention_mask[start:stop]) if share else []
+        return backbone_tokens(lengths[start:stop], groups, pack)
 
     slices, start = [], 0
     while start < n:

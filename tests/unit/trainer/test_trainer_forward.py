@@ -152,6 +152,21 @@ def test_shared_prefix_groups_golden() -> None:
     assert all(p == 0 for _, p in shared_prefix_groups(ids, attn, min_shared=22))
 
 
+def test_shared_prefix_groups_keep_two_prompts_apart() -> None:
+    # Two prompt groups whose 30-token prompts share their first 20 tokens (a common system prompt), three
+    # replies each. Row 3 shares 20 tokens with group [0, 1, 2] (prefix 30): joining would make those three
+    # rows run 3 x 10 more tokens to save row 3 twenty, so it starts its own group.
+    system, tails = list(range(1, 21)), [[500 + r, 600 + r, 700 + r] for r in range(6)]
+    prompt_a, prompt_b = system + list(range(100, 110)), system + list(range(200, 210))
+    rows = [prompt_a + t for t in tails[:3]] + [prompt_b + t for t in tails[3:]]
+    ids, attn = torch.tensor(rows), torch.ones(6, 33, dtype=torch.bool)
+    assert shared_prefix_groups(ids, attn) == [([0, 1, 2], 30), ([3, 4, 5], 30)]
+    # A third row sharing 25 of a two-row group's 30 tokens joins it: the two rows run 2 x 5 more, it saves 25.
+    near = prompt_a[:25] + list(range(300, 308))
+    ids = torch.tensor([prompt_a + tails[0], prompt_a + tails[1], near])
+    assert shared_prefix_groups(ids, torch.ones(3, 33, dtype=torch.bool)) == [([0, 1, 2], 25)]
+
+
 def test_pack_pays_golden() -> None:
     # Costs in token units, a (query, key) pair costing 1/3000 of a token.
     # Tails 3, 5, 1 on a 20-token prefix: padded 3 x 5 x (1 + 25/3000) = 15.125, packed 9 x (1 + 29/3000)
