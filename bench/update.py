@@ -121,14 +121,18 @@ def _cfg(preset: str, *overrides: str):
     return build_config(ExperimentConfig, {**raw, "preset": preset, "algorithm": algo})
 
 
-def synthetic_batch(rows: int, seq_len: int, group_size: int, vocab: int, seed: int = 0):
+def synthetic_batch(rows: int, seq_len: int, group_size: int, vocab: int, seed: int = 0, shared_prompt: bool = False):
     """A full-length multi-turn batch: a prompt (96 tokens, at most a quarter of the row), then replies
     of 48 tokens (trained) alternating with 24 env tokens (masked), until ``seq_len``; reward 0/1 on
-    the last reply token."""
+    the last reply token. ``shared_prompt``: the rows of a group share their prompt, as a rollout's do
+    (the update then runs it once per micro-batch); otherwise every token is random."""
     from ragen_core.types import TokenBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    if shared_prompt:
+        n_prompt = min(96, seq_len // 4)
+        ids[:, :n_prompt] = ids[(torch.arange(rows) // group_size) * group_size, :n_prompt]
     pattern = torch.zeros(seq_len, dtype=torch.bool)
     turn_ids = torch.zeros(seq_len, dtype=torch.long)
     turn_ends = torch.zeros(seq_len, dtype=torch.bool)
@@ -241,7 +245,7 @@ def mem_worker(args: argparse.Namespace) -> None:
                    f"model.gradient_checkpointing={str(ckpt).lower()}")
         state = init_state(cfg)
         vocab = int(state.models.actor.config.vocab_size)
-        batch = synthetic_batch(args.rows, args.seq_len, args.group_size, vocab)
+        batch = synthetic_batch(args.rows, args.seq_len, args.group_size, vocab, shared_prompt=args.shared_prompt)
         if side.startswith("raw"):
             model = state.models.actor
             opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.actor_lr, weight_decay=0.01, fused=True)
@@ -506,6 +510,8 @@ def main() -> None:
                         help="p2, mem: trainer.micro_batch_tokens, a number or null (rows only)")
     parser.add_argument("--chunk", type=int, default=128, help="trainer.logprob_chunk")
     parser.add_argument("--group-size", type=int, default=4, help="p2: rows per prompt group")
+    parser.add_argument("--shared-prompt", action="store_true",
+                        help="mem worker: a group's rows share their 96-token prompt (ours runs it once per micro-batch)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="p2: timed runs per side after an untimed one (the fastest counts)")
     parser.add_argument("--p5-groups", type=int, default=8, help="p5: prompt groups in the rollout batch")
