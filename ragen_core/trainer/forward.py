@@ -270,7 +270,9 @@ def _chunk_logprobs_entropy(
     hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, inv_temperature: float, entropy_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of labels and entropy for one chunk. hidden: [B, C, H], labels: [B, C] -> ([B, C], [B, C])."""
-    logits = head(hidden).float() * inv_temperature  # [B, C, V], the only logits tensor alive
+    logits = head(hidden).float()  # [B, C, V], the only logits tensor alive
+    if inv_temperature != 1.0:  # at 1 (training rollouts' default) not another vocabulary-sized tensor
+        logits = logits * inv_temperature
     if entropy_grad:
         return losses.logprobs_and_entropy(logits, labels)  # one exp pass over the vocabulary for both
     logprobs = losses.logprobs_from_logits(logits, labels)  # [B, C]
