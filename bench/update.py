@@ -4,8 +4,8 @@ Three ratios (issue 5) and peak memory:
 
 - ``p2`` = our update's tokens/s ÷ a raw forward+backward+AdamW (fused, as ours) loop's tokens/s, same model,
   same rows × length, same micro-batches (``--micro`` rows and ``--micro-tokens`` token positions at most,
-  default the config's ``trainer.micro_batch_tokens``: 512, so 384-token rows go one by one) (target ≥ 0.85). The update is actor-only here
-  (GRPO, no KL, no critic) so both sides train one model; the raw loop computes the full
+  default the config's ``trainer.micro_batch_tokens``: 512, so 384-token rows go one by one) (target ≥ 0.85).
+  The update is actor-only here (GRPO, no KL, no critic) so both sides train one model; the raw loop computes the full
   [B, T, V] logits and a masked next-token log-likelihood. Our side adds entropy, the PPO loss
   and its statistics, and skips the output layer on the prompt. Each side first runs one untimed
   step at the full shape; then ``--repeats`` timed steps each, interleaved, the fastest counting.
@@ -511,7 +511,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=128, help="trainer.logprob_chunk")
     parser.add_argument("--group-size", type=int, default=4, help="p2: rows per prompt group")
     parser.add_argument("--shared-prompt", action="store_true",
-                        help="mem worker: a group's rows share their 96-token prompt (ours runs it once per micro-batch)")
+                        help="mem worker: a group's rows share their 96-token prompt (run once per micro-batch)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="p2: timed runs per side after an untimed one (the fastest counts)")
     parser.add_argument("--p5-groups", type=int, default=8, help="p5: prompt groups in the rollout batch")

@@ -23,6 +23,7 @@ Run the tests with ``python -m pytest tests/unit/algos -q``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -281,7 +282,7 @@ class _LogprobsEntropy(torch.autograd.Function):
     """:func:`logprobs_and_entropy` with its gradient written out (see there). Saves softmax(l) and l."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top = logits.amax(dim=-1, keepdim=True)  # [B, T, 1] a shift against overflow
         p = (logits - top).exp_()  # [B, T, V] the one vocabulary-sized tensor kept, made softmax in place
         total = p.sum(dim=-1, keepdim=True)  # [B, T, 1]
@@ -293,7 +294,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         return picked - lse, lse - expected
 
     @staticmethod
-    def backward(ctx, g_logprob: torch.Tensor, g_entropy: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, g_logprob: torch.Tensor, g_entropy: torch.Tensor) -> tuple[torch.Tensor, None]:
         p, logits, labels, expected = ctx.saved_tensors
         # ∂/∂l_j = g_lp (1[j = label] − p_j) − g_H p_j (l_j − E) = −p_j (g_lp + g_H (l_j − E)) + g_lp 1[j = label]
         grad = logits - expected.unsqueeze(-1)  # [B, T, V] the one new vocabulary-sized tensor

@@ -71,7 +71,8 @@ from ragen_core.trainer.models import PolicyModels, critic_values, reference_log
 from ragen_core.trainer.state import TrainState
 from ragen_core.types import TokenBatch, UpdateStats
 
-__all__ = ["ESTIMATORS", "compute_advantages", "micro_blocks", "micro_slices", "mini_batch_rows", "rank_micro_rows", "update"]
+__all__ = ["ESTIMATORS", "compute_advantages", "micro_blocks", "micro_slices", "mini_batch_rows", "rank_micro_rows",
+           "update"]
 
 Estimator = Callable[[TokenBatch, torch.Tensor, "torch.Tensor | None", AlgorithmConfig],
                      tuple[torch.Tensor, "torch.Tensor | None"]]
