@@ -146,8 +146,9 @@ def micro_blocks(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_rows
     """Consecutive row slices covering a right-padded batch (input_ids, attention_mask: [B, T]): each at
     most ``max_rows`` rows and, with ``max_tokens``, at most that many token positions as the backbone
     runs them (:func:`forward.backbone_tokens`: padding counted, a prompt group's shared prefix once),
-    except a single row longer than the budget, which goes alone. share / pack: whether the actor's backbone shares prefixes / packs tails (``forward.can_share``,
-    ``forward.can_pack``). Deterministic: the same batch gives the same slices on every rank.
+    except a single row longer than the budget, which goes alone. share / pack: whether the actor's
+    backbone shares prefixes / packs tails (``forward.can_share``, ``forward.can_pack``). Deterministic:
+    the same batch gives the same slices on every rank.
 
     A slice's cost is what ``forward.hidden_states`` will run for exactly those rows (their own prefix
     groups), so a slice holding part of a prompt group counts the prefix its rows share.
