@@ -24,6 +24,9 @@ Three ratios (issue 5) and peak memory:
   step) and ``mem_step_s`` (the second step's wall time), for our update and the raw loop, each
   without and with activation checkpointing of the backbone (``model.gradient_checkpointing``).
   ``p2_ckpt`` = raw ÷ ours step time, both checkpointed (separate processes, run one after another).
+- ``loss``: the output layer and its log-prob/entropy loss, forward + backward, on the demo's micro-batch
+  (8 x 40 positions): ``loss_speedup`` = autograd's chain (einsum entropy) ÷ ``losses.logprobs_and_entropy``
+  with its gradient written out, interleaved 12 times, the median of the best 6.
 - ``pack``: one prompt group's forward + backward with its replies packed into one row vs padded to the
   longest (``forward.hidden_states``), for four shapes of group; ``pack_speedup`` per case and
   ``pack_model_right``: whether ``forward.pack_pays`` chose the faster layout in each.
@@ -159,8 +162,8 @@ def synthetic_batch(rows: int, seq_len: int, group_size: int, vocab: int, seed: 
 
 
 def raw_blocks(cfg, batch) -> list[slice]:
-    """The raw loop's micro-batches: the rows our update puts together (``update.micro_blocks`` with the same
-    row and token limits; the synthetic rows share no prompt, so sharing and packing change nothing)."""
+    """The raw loop's micro-batches: ``update.micro_blocks`` with our row and token limits, counting every row
+    whole (the raw loop shares no prompt). Without ``--shared-prompt`` these are exactly our micro-batches."""
     from ragen_core.trainer.update import micro_blocks
 
     return micro_blocks(batch.input_ids, batch.attention_mask, cfg.trainer.micro_batch_size,
@@ -276,6 +279,47 @@ def bench_mem(args: argparse.Namespace) -> dict[str, Any]:
             out.setdefault(f"mem_{key}", {})[side] = row[key]
     out["p2_ckpt"] = round(out["mem_step_s"]["raw_ckpt"] / out["mem_step_s"]["ours_ckpt"], 3)
     return out
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def _autograd_logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same values as ``losses.logprobs_and_entropy``, differentiated by autograd (what it replaced)."""
+    top = logits.detach().amax(dim=-1, keepdim=True)
+    e = (logits - top).exp_()
+    total = e.sum(dim=-1)
+    lse = top.squeeze(-1) + total.log()
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    dot = torch.einsum("...v,...v->...", e, logits)
+    return picked - lse, lse - dot / total
+
+
+def bench_loss(args: argparse.Namespace) -> dict[str, Any]:
+    """The output layer and its log-prob/entropy loss, forward + backward, on the demo's micro-batch (8 x 40
+    positions): ``losses.logprobs_and_entropy`` (gradient written out) vs autograd's chain, interleaved."""
+    from ragen_core.algos import losses
+    from ragen_core.models import load_model
+    from ragen_core.trainer.forward import decoder_and_head
+
+    _, head = decoder_and_head(load_model(DEFAULT_MODEL))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(8, 40, head.weight.shape[1], generator=g)
+    labels = torch.randint(0, head.weight.shape[0], (8, 40), generator=g)
+    sides = {"written_out": losses.logprobs_and_entropy, "autograd": _autograd_logprobs_entropy}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(12):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            h = hidden.clone().requires_grad_(True)
+            with Clock() as clock:
+                lp, ent = sides[name](head(h).float(), labels)
+                (lp.sum() + 0.01 * ent.sum()).backward()
+            head.weight.grad = None
+            times[name].append(clock.wall)
+    best = {k: sorted(v)[:6][3] for k, v in times.items()}  # median of the best 6
+    print(f"loss: written out {best['written_out'] * 1e3:.0f} ms, autograd {best['autograd'] * 1e3:.0f} ms", flush=True)
+    return {"loss_ms": {k: round(v * 1e3, 1) for k, v in best.items()},
+            "loss_speedup": round(best["autograd"] / best["written_out"], 3)}
 
 
 # --------------------------------------------------------------------------- pack
@@ -523,8 +567,8 @@ def main() -> None:
     parser.add_argument("--p3-steps", type=int, default=2, help="p3: timed steps per side (after one warm-up)")
     parser.add_argument("--trl-venv", default="/tmp/ragen-trl-venv", help="where the TRL interpreter lives")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL side of p3 (p3 is then null)")
-    parser.add_argument("--only", nargs="*", choices=["p2", "mem", "pack", "p5", "p3"],
-                        default=["p2", "mem", "pack", "p5", "p3"])
+    parser.add_argument("--only", nargs="*", choices=["p2", "mem", "pack", "loss", "p5", "p3"],
+                        default=["p2", "mem", "pack", "loss", "p5", "p3"])
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--mem-worker", choices=MEM_SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -548,6 +592,8 @@ def main() -> None:
         result.update(bench_mem(args))
     if "pack" in args.only:
         result.update(bench_pack(args))
+    if "loss" in args.only:
+        result.update(bench_loss(args))
     if "p5" in args.only:
         result.update(bench_p5(args))
     if "p3" in args.only:
