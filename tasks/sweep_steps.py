@@ -71,11 +71,13 @@ def publish_results(plan: SweepPlan, study: Study, parent: MetricLogger, url: st
         parent.set_tags({"pareto_trials": ",".join(map(str, front))})
         best_line = f"Pareto-optimal trials ({sweep.metric} vs {sweep.cost_objective}): {front}"
     parent.flush()
-    counts = {s.name: sum(t.state == s for t in trials)
-              for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    # a duplicate two workers drew at once never ran: counted apart, not as a failure
+    skipped = sum(1 for t in trials if t.user_attrs.get("skipped"))
+    ran = [t for t in trials if not t.user_attrs.get("skipped")]
+    counts = {s.name: sum(t.state == s for t in ran) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
     return "\n".join([
-        (f"study {sweep.name}: {len(trials)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())}) "
-        f"in {redact(url)}"),
+        (f"study {sweep.name}: {len(ran)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})"
+         + (f" and {skipped} duplicate{'s' if skipped > 1 else ''} skipped" if skipped else "") + f" in {redact(url)}"),
         best_line,
         "",
         paths["md"].read_text().strip(),

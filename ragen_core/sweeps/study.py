@@ -255,7 +255,12 @@ def remaining_trials(study: optuna.Study, target: int, grid: Mapping[str, Sequen
         space = {k: list(v) for k, v in grid.items()}  # what GridSampler stores with each trial
         covered = {t.system_attrs["grid_id"] for t in trials
                    if "grid_id" in t.system_attrs and t.system_attrs.get("search_space") == space}
-        return max(0, target - len(covered)) + waiting
+        # a trial another worker has just created, before its sampler wrote the point: it takes an
+        # unstarted point if one is left, so it covers one (narrows the race in which two workers
+        # both start the last point; what is left of it, duplicate_of catches)
+        drawing = sum(t.state == TrialState.RUNNING and "grid_id" not in t.system_attrs
+                      and "fixed_params" not in t.system_attrs for t in trials)
+        return max(0, target - len(covered) - drawing) + waiting
     retried = {t.system_attrs["failed_trial"] for t in trials if "failed_trial" in t.system_attrs}
     counted = sum(1 for t in trials if t.state != TrialState.WAITING and t.number not in retried
                   and not t.user_attrs.get("skipped"))

@@ -267,6 +267,18 @@ def test_remaining_trials_on_a_grid() -> None:
     assert remaining_trials(study, 2, grid={"k": [1, 2, 3]}) == 1  # n_trials below the grid size
 
 
+def test_remaining_trials_counts_a_trial_still_drawing_its_point() -> None:
+    """Another worker's trial between its creation and its sampler writing the grid point takes the
+    last point: nothing is left to start (else this worker would start a duplicate of it)."""
+    study = grid_study()
+    for _ in range(2):
+        study.ask().suggest_categorical("k", [1, 2, 3])
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 1
+    study._storage.create_new_trial(study._study_id)  # what Study.ask does before GridSampler.before_trial
+    assert "grid_id" not in study.trials[-1].system_attrs
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 0
+
+
 def test_remaining_trials_without_a_grid() -> None:
     study = optuna.create_study()
     for state in ("COMPLETE", "FAIL", "PRUNED"):
