@@ -38,7 +38,7 @@ from ragen_core.rollout.generators.base import (
     Generation,
     SamplingParams,
 )
-from ragen_core.rollout.generators.decode_step import LlamaDecodeStep, decode_step_for
+from ragen_core.rollout.generators.decode_step import LlamaDecodeStep, SharedPrefix, cascade_pays, decode_step_for
 from ragen_core.rollout.generators.kv import (
     LayerKV,
     cache_layers,
@@ -249,12 +249,16 @@ class HFGenerator:
             len(r.suffix) for r in unique
         )
         layers, mask, logits = self._prefill_unique(unique)
+        prefix = None
         if len(unique) < len(rows):
             index = torch.tensor(source, device=self.device)
+            if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
+                prefix = SharedPrefix(layers, mask, index)  # the fast step reads the prompts once per group
             layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
             mask, logits = mask.index_select(0, index), logits.index_select(0, index)
         room = max(r.limit for r in rows)
-        return _Batch(growing_cache(layers, room), mask, logits, torch.arange(len(rows), device=self.device))
+        return _Batch(growing_cache(layers, room), mask, logits, torch.arange(len(rows), device=self.device),
+                      prefix=prefix)
 
     def _prefill_unique(self, rows: list[_Row]) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor]:
         """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``."""
@@ -398,11 +402,15 @@ class _Batch:
     rows: torch.Tensor  # [B] the call's row index of each slot
     fed: int = 0
     """Real tokens fed through decode forwards so far."""
+    prefix: SharedPrefix | None = None
+    """The prompt columns shared by prompt groups (cascade attention in the fast step), or None."""
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only the slots ``keep`` ([K] long) in every batch tensor."""
         self.cache.batch_select_indices(keep)
         self.mask, self.logits, self.rows = self.mask[keep], self.logits[keep], self.rows[keep]
+        if self.prefix is not None:
+            self.prefix.select(keep)
 
 
 def _decode(
@@ -457,7 +465,7 @@ def _decode(
         positions = batch.mask.sum(-1, keepdim=True)  # [B, 1] next position of each slot
         batch.mask = torch.cat([batch.mask, live[:, None]], dim=1)
         if step is not None:
-            batch.logits = step.step(next_ids, positions[:, 0], batch.mask, batch.cache)
+            batch.logits = step.step(next_ids, positions[:, 0], batch.mask, batch.cache, batch.prefix)
         else:
             out = model(
                 input_ids=next_ids[:, None],

@@ -116,3 +116,45 @@ def test_an_architecture_it_does_not_cover_falls_back_to_model_forward() -> None
     zero3, _ = tiny_random(seed=0)
     next(zero3.parameters()).ds_id = 0  # what DeepSpeed ZeRO-3 sets on the weights it partitions
     assert decode_step_for(zero3) is None
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_cascade_attention_over_shared_prompts_samples_what_model_forward_samples(lora: bool, monkeypatch) -> None:
+    """Prompt groups (N rows of one prompt, prefilled once): the fast step attends to the shared prompt once
+    per group and merges it with each row's own tokens (decode_step.SharedPrefix). Same ids and log-probs
+    within 1e-4 as model.forward over every row's full cache, through early stops, the batch shrinking and
+    a second turn that reuses each row's kept cache."""
+    from ragen_core.rollout.generators import decode_step
+
+    model, tok = tiny_random(seed=4)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.2)
+    plans = []
+    real_plan = decode_step.SharedPrefix.plan
+    monkeypatch.setattr(decode_step.SharedPrefix, "plan",
+                        lambda self, dtype: plans.append(len(self.source)) or real_plan(self, dtype))
+    groups = [[5, 9, 13, 2, 7, 30, 12, 3], [11, 4], [8, 8, 8, 1, 40]]
+    prompts = [p for p in groups for _ in range(4)]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=3, stop_token_ids=tuple(range(40, 130)))
+    sessions = [f"s{i}" for i in range(len(prompts))]
+    fast_gen, slow_gen = HFGenerator(model, tok, fast_decode=True), HFGenerator(model, tok, fast_decode=False)
+    fast = fast_gen.generate(prompts, params, sessions)
+    slow = slow_gen.generate(prompts, params, sessions)
+    assert plans and plans[0] == 12 and min(plans) < 12  # cascade on, and the batch shrank under it
+    assert {g.finish_reason for g in fast} == {"stop", "length"}
+    for f, s in zip(fast, slow, strict=True):
+        assert f.token_ids == s.token_ids and f.finish_reason == s.finish_reason
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
+    # turn 2: each row's prompt extends its own dialogue, so nothing is shared; the kept caches carry on
+    second = [list(p) + list(g.token_ids) + [7, 7] for p, g in zip(prompts, fast, strict=True)]
+    fast2, slow2 = fast_gen.generate(second, params, sessions), slow_gen.generate(second, params, sessions)
+    assert fast_gen.stats["reused_tokens"] > 0
+    for f, s in zip(fast2, slow2, strict=True):
+        assert f.token_ids == s.token_ids
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
