@@ -22,7 +22,10 @@ The last line printed is one JSON object:
                  the matmul rate is measured in this run (best fp32 1536^3 product, ``matmul_gflops``), a token
                  costs 2 FLOPs per weight (``flops_per_token``). Target >= 0.5. ``decode_only_roofline_frac``
                  leaves the prefill out; ``fast_decode_speedup`` = decode steps' tok/s / the same through
-                 ``model.forward`` (decode_step.py off).
+                 ``model.forward`` (decode_step.py off). ``grouped_*``: the same at the largest batch made of
+                 prompt groups of ``--group-size`` rows (default 8), as a rollout's N responses per prompt come:
+                 prefilled once, and the decode steps read each prompt's keys once per group (cascade
+                 attention, decode_step.SharedPrefix).
   hf_vs_vllm     hf rollout tok/s / vLLM's on the same rollout (1 / vllm_speedup). Target >= 1.2.
   cache_reuse_max_logprob_diff  largest |logprob difference| between the reuse and the naive rollout
                  over the same sampled tokens (must be <= 1e-4), plus counters of both runs.
@@ -100,15 +103,17 @@ def generated(rec: Recorder) -> int:
 
 
 def batch_throughput(model: Any, tokenizer: Any, batch: int, prompt_len: int = 239, new: int = 64,
-                     fast_decode: bool = True) -> tuple[float, float]:
+                     fast_decode: bool = True, group: int = 1) -> tuple[float, float]:
     """hf backend generated tok/s on random prompts (no stop token: every row makes ``new`` tokens), prefill
-    included, and the decode steps' own rate (tokens fed through decode steps / their seconds)."""
+    included, and the decode steps' own rate (tokens fed through decode steps / their seconds). ``group``:
+    rows per distinct prompt (a rollout's N responses per prompt; 1 = every prompt distinct)."""
     import torch
 
     from ragen_core.rollout.generators import SamplingParams, make_generator
 
     gen = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(100, tokenizer.vocab_size - 100, (batch, prompt_len), generator=gen).tolist()
+    distinct = torch.randint(100, tokenizer.vocab_size - 100, (batch // group, prompt_len), generator=gen).tolist()
+    prompts = [p for p in distinct for _ in range(group)]
     hf = make_generator("hf", model, tokenizer, fast_decode=fast_decode)
     start = time.perf_counter()
     out = hf.generate(prompts, SamplingParams(max_new_tokens=new, seed=0))
@@ -239,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per reply")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the rollouts")
     p.add_argument("--batches", default="8,32,64", help="batch sizes for the raw throughput numbers")
+    p.add_argument("--group-size", type=int, default=8, help="rows per prompt in the grouped batch measurement")
     p.add_argument("--quick", action="store_true", help="2 groups x 4 episodes, 32 new tokens, batches 8")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM part")
     p.add_argument("--vllm-python", default=sys.executable, help="Python with vLLM (default: this one)")
@@ -304,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     top = max(int(b) for b in args.batches.split(",") if b)
     flops = matmul_flops()
     per_token = 2 * sum(p.numel() for p in model.parameters())  # every weight once per token (tied head included)
+    # as rollouts run: the batch in prompt groups of --group-size rows (prefilled once; cascade attention)
+    say(f"raw hf throughput at batch {top} in prompt groups of {args.group_size} ...")
+    grouped, grouped_decode = batch_throughput(model, tokenizer, top, group=args.group_size)
     say(f"model.forward decode at batch {top}, for comparison ...")
     slow, slow_decode = batch_throughput(model, tokenizer, top, fast_decode=False)
     result.update(
@@ -313,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         roofline_batch=top,
         decode_roofline_frac=result[f"tok_s_b{top}"] / (flops / per_token),
         decode_only_roofline_frac=result[f"decode_tok_s_b{top}"] / (flops / per_token),
+        group_size=args.group_size,
+        grouped_tok_s=grouped,
+        grouped_decode_tok_s=grouped_decode,
+        grouped_roofline_frac=grouped / (flops / per_token),
+        grouped_decode_only_roofline_frac=grouped_decode / (flops / per_token),
         model_forward_tok_s=slow,
         model_forward_decode_tok_s=slow_decode,
         fast_decode_speedup=result[f"decode_tok_s_b{top}"] / slow_decode,

@@ -44,7 +44,7 @@ from ragen_core.rollout.generators.kv import (
     cache_layers,
     growing_cache,
     kv_nbytes,
-    stack_left_padded,
+    stacked_cache,
     take_row,
 )
 from ragen_core.rollout.generators.sampling import draw_uniforms, row_generators, sample_from_logits
@@ -248,29 +248,37 @@ class HFGenerator:
         self._stats["shared_prompt_tokens"] += sum(len(r.suffix) for r in rows) - sum(
             len(r.suffix) for r in unique
         )
-        layers, mask, logits = self._prefill_unique(unique)
+        room = max(r.limit for r in rows)
+        shared = len(unique) < len(rows)  # then the rows are copied out of the prefill's cache below
+        layers, mask, logits, cache = self._prefill_unique(unique, 0 if shared else room)
+        if cache is not None and not shared:  # one prefill group: its cache already has the room
+            return _Batch(cache, mask, logits, torch.arange(len(rows), device=self.device))
         prefix = None
-        if len(unique) < len(rows):
+        if shared:
             index = torch.tensor(source, device=self.device)
             if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
                 prefix = SharedPrefix(layers, mask, index)  # the fast step reads the prompts once per group
             layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
             mask, logits = mask.index_select(0, index), logits.index_select(0, index)
-        room = max(r.limit for r in rows)
         return _Batch(growing_cache(layers, room), mask, logits, torch.arange(len(rows), device=self.device),
                       prefix=prefix)
 
-    def _prefill_unique(self, rows: list[_Row]) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor]:
-        """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``."""
+    def _prefill_unique(
+        self, rows: list[_Row], room: int
+    ) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor, DynamicCache | None]:
+        """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``; and, when
+        they were prefilled as one group, the cache they live in, with ``room`` free slots for decoding."""
         groups = _chunks(list(range(len(rows))), rows, self.prefill_chunk_tokens)
         if len(groups) == 1:
-            return self._prefill_group(rows)
+            cache, mask, logits = self._prefill_group(rows, room)
+            return cache_layers(cache), mask, logits, cache
         width = max(_width([rows[i] for i in g]) for g in groups)
         mask = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
         layers: list[LayerKV] = []
         logits = torch.empty(0)
         for group in groups:
-            g_layers, g_mask, g_logits = self._prefill_group([rows[i] for i in group])
+            g_cache, g_mask, g_logits = self._prefill_group([rows[i] for i in group], 0)
+            g_layers = cache_layers(g_cache)
             if not layers:  # allocate once the first group tells us shapes and dtypes
                 layers = [
                     (
@@ -286,9 +294,10 @@ class HFGenerator:
                 v[index, :, width - w :] = gv
             mask[index, width - w :] = g_mask
             logits[index] = g_logits
-        return layers, mask, logits
+        return layers, mask, logits, None
 
-    def _prefill_group(self, group: list[_Row]) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor]:
+    def _prefill_group(self, group: list[_Row], room: int) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """Prefill one group; (its cache, with ``room`` free slots after the prompt, mask [G, W], logits [G, V])."""
         reused = max(r.reused for r in group)
         new = max(len(r.suffix) for r in group)
         mask = torch.zeros(len(group), reused + new, dtype=torch.long)
@@ -300,9 +309,9 @@ class HFGenerator:
         mask, input_ids = mask.to(self.device), input_ids.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)[:, reused:]  # [G, new]; pads get any valid id
         cache = DynamicCache()
-        if reused > 0:
+        if reused > 0:  # the kept caches stacked once, straight into buffers with room for the suffix and replies
             like = next(r.cached for r in group if r.cached is not None)
-            cache = growing_cache(stack_left_padded([r.cached for r in group], reused, like), room=new)
+            cache = stacked_cache([r.cached for r in group], reused, like, room=new + room)
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -311,7 +320,9 @@ class HFGenerator:
             use_cache=True,
             logits_to_keep=1,
         )
-        return cache_layers(out.past_key_values), mask, out.logits[:, -1, :]
+        if reused == 0 and room > 0:  # transformers' own cache: into growing buffers (one copy) to decode in
+            return growing_cache(cache_layers(out.past_key_values), room), mask, out.logits[:, -1, :]
+        return out.past_key_values, mask, out.logits[:, -1, :]
 
     def _keeper(
         self, rows: list[_Row], session_ids: Sequence[Hashable]

@@ -26,28 +26,33 @@ def kv_nbytes(layers: Sequence[LayerKV]) -> int:
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
 
 
-def stack_left_padded(
-    rows: Sequence[Sequence[LayerKV] | None], width: int, like: Sequence[LayerKV]
-) -> list[LayerKV]:
-    """Batch per-row caches, each right-aligned in ``width`` slots with zeros on the left.
+def stacked_cache(
+    rows: Sequence[Sequence[LayerKV] | None], width: int, like: Sequence[LayerKV], room: int
+) -> DynamicCache:
+    """Batch per-row caches, each right-aligned in ``width`` slots, into a growing cache with ``room`` free
+    slots per layer after them (written straight into the cache's own buffers: one copy of the rows' caches).
 
     rows: per row, a list over layers of ([H, L_r, D], [H, L_r, D]) or None for an empty cache;
-    like: any cache of the same model (gives H, D, dtype, device).
-    Returns a list over layers of ([B, H, width, D], [B, H, width, D]). The caller's mask must be 0 on
-    the zero slots; zeros (not garbage) keep masked attention terms finite.
+    like: any cache of the same model (gives H, D, dtype, device). The caller's mask must be 0 on the
+    left-padding slots, which hold zeros (not garbage) so masked attention terms stay finite.
     """
-    out: list[LayerKV] = []
+    cache = DynamicCache()
+    layers = []
     for layer, (k_like, v_like) in enumerate(like):
         h, d = k_like.shape[-3], k_like.shape[-1]
-        keys = k_like.new_zeros(len(rows), h, width, d)  # [B, H, W, D]
-        values = v_like.new_zeros(len(rows), h, width, v_like.shape[-1])
+        keys = k_like.new_empty(len(rows), h, width + room, d)  # [B, H, W + room, D]
+        values = v_like.new_empty(len(rows), h, width + room, v_like.shape[-1])
         for b, row in enumerate(rows):
-            if row is not None and row[layer][0].shape[-2] > 0:
-                n = row[layer][0].shape[-2]
-                keys[b, :, width - n :] = row[layer][0]
-                values[b, :, width - n :] = row[layer][1]
-        out.append((keys, values))
-    return out
+            n = 0 if row is None else row[layer][0].shape[-2]
+            if n < width:  # left padding: zeros, not garbage, keep masked attention terms finite
+                keys[b, :, : width - n].zero_()
+                values[b, :, : width - n].zero_()
+            if n > 0:
+                keys[b, :, width - n : width] = row[layer][0]  # type: ignore[index]
+                values[b, :, width - n : width] = row[layer][1]  # type: ignore[index]
+        layers.append(_GrowingLayer.adopt(keys, values, width))
+    cache.layers = layers
+    return cache
 
 
 def take_row(layers: Sequence[LayerKV], row: int, positions: torch.Tensor) -> list[LayerKV]:
@@ -79,6 +84,18 @@ class _GrowingLayer(DynamicLayer):
         self._k = _with_room(keys, self._length + room)
         self._v = _with_room(values, self._length + room)
         self._refresh()
+
+    @classmethod
+    def adopt(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> _GrowingLayer:
+        """A layer over preallocated buffers [..., capacity, D] whose first ``length`` slots are filled (no copy)."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer.dtype, layer.device = keys.dtype, keys.device
+        layer.is_initialized = True
+        layer._length = length
+        layer._k, layer._v = keys, values
+        layer._refresh()
+        return layer
 
     def _refresh(self) -> None:
         self.keys = self._k[..., : self._length, :]
