@@ -51,7 +51,7 @@ def stacked_cache(
                 keys[b, :, width - n : width] = row[layer][0]  # type: ignore[index]
                 values[b, :, width - n : width] = row[layer][1]  # type: ignore[index]
         layers.append(_GrowingLayer.adopt(keys, values, width))
-    cache.layers = layers
+    cache.layers = [*layers]  # a list display: typed as the attribute's list
     return cache
 
 
