@@ -49,8 +49,9 @@ class SharedPrefix:
     """The first ``width`` cache columns of a decode batch whose rows come in prompt groups (the N responses
     of a prompt, prefilled once): their keys and values once per group, for cascade attention.
 
-    The batch cache still holds every row's copy of these columns (cross-turn reuse and ``model.forward``
-    read it); the fast step reads them from here instead, once per group rather than once per row.
+    The batch cache then holds only the columns after these, each row's own (the tokens it decodes): the
+    prompt is never copied per row, and dropping finished rows copies only their own columns. A row's whole
+    cache (kept between turns) is its group's columns here followed by its own.
     """
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
@@ -213,8 +214,9 @@ class LlamaDecodeStep:
         """Feed ``ids`` ([B] long) at ``positions`` ([B] long); ``mask`` [B, W + 1] (1 on real tokens,
         this step's column included) covers the cache's W tokens and this one. Appends this token's keys
         and values to ``cache`` and returns the next-token logits [B, V]. Weights as of the first step after
-        construction or the last ``invalidate``. ``prefix``: the cache's first columns shared by prompt
-        groups (cascade attention, :meth:`_cascade`), or None."""
+        construction or the last ``invalidate``. ``prefix``: the first columns of ``mask``, shared by prompt
+        groups and held there, not in ``cache``, which then holds the columns after them (cascade attention,
+        :meth:`_cascade`); or None."""
         if self._stale:
             self._build()
         b = ids.shape[0]
@@ -257,19 +259,20 @@ class LlamaDecodeStep:
                  plan: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor], own_mask: torch.Tensor) -> torch.Tensor:
         """Attention of q [B, nkv, g, d] over the cache, in two parts merged by their log-sum-exps (cascade
         attention, as in FlashInfer and vLLM): the shared columns once per prompt group, that group's query
-        rows stacked ([U, nkv, n·g, d]), then each row over its own columns. The same softmax over the
-        union, up to float rounding; the shared keys are read U times instead of B."""
+        rows stacked ([U, nkv, n·g, d]), then each row over its own columns (``keys``/``values``, the batch
+        cache). The same softmax over the union, up to float rounding; the shared keys are read U times
+        instead of B."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         _, nkv, g, d = q.shape
         gather, back, n, shared_mask = plan
-        groups, w = shared_mask.shape[0], prefix.width
+        groups = shared_mask.shape[0]
         pk, pv = prefix.layers[layer]
         stacked = torch.cat([q, q.new_zeros(1, nkv, g, d)])[gather]  # [U·n, nkv, g, d]; row B: a hole's zeros
         stacked = stacked.view(groups, n, nkv, g, d).transpose(1, 2).reshape(groups, nkv, n * g, d)
         o1, l1 = flash(stacked, pk, pv, 0.0, False, attn_mask=shared_mask, scale=self.scale)
         o1 = o1.view(groups, nkv, n, g, d).transpose(1, 2).reshape(groups * n, nkv, g, d)[back]  # [B, nkv, g, d]
         l1 = l1.view(groups, nkv, n, g).transpose(1, 2).reshape(groups * n, nkv, g)[back]  # [B, nkv, g]
-        o2, l2 = flash(q, keys[:, :, w:], values[:, :, w:], 0.0, False, attn_mask=own_mask, scale=self.scale)
+        o2, l2 = flash(q, keys, values, 0.0, False, attn_mask=own_mask, scale=self.scale)
         top = torch.maximum(l1, l2)
         w1, w2 = (l1 - top).exp_(), (l2 - top).exp_()
         total = w1 + w2

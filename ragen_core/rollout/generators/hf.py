@@ -253,15 +253,17 @@ class HFGenerator:
         layers, mask, logits, cache = self._prefill_unique(unique, 0 if shared else room)
         if cache is not None and not shared:  # one prefill group: its cache already has the room
             return _Batch(cache, mask, logits, torch.arange(len(rows), device=self.device))
-        prefix = None
-        if shared:
-            index = torch.tensor(source, device=self.device)
-            if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
-                prefix = SharedPrefix(layers, mask, index)  # the fast step reads the prompts once per group
-            layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
-            mask, logits = mask.index_select(0, index), logits.index_select(0, index)
-        return _Batch(growing_cache(layers, room), mask, logits, torch.arange(len(rows), device=self.device),
-                      prefix=prefix)
+        index = torch.tensor(source, device=self.device)
+        slots = torch.arange(len(rows), device=self.device)
+        if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
+            # the fast step reads the prompts once per group (cascade attention); the rows' cache holds only
+            # the tokens each row decodes, so the prompts are never copied per row and dropping rows is cheap
+            prefix = SharedPrefix(layers, mask, index)
+            own = growing_cache([(k[:, :, :0].index_select(0, index), v[:, :, :0].index_select(0, index))
+                                 for k, v in layers], room)
+            return _Batch(own, mask.index_select(0, index), logits.index_select(0, index), slots, prefix=prefix)
+        layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
+        return _Batch(growing_cache(layers, room), mask.index_select(0, index), logits.index_select(0, index), slots)
 
     def _prefill_unique(
         self, rows: list[_Row], room: int
@@ -331,13 +333,21 @@ class HFGenerator:
 
         def keep(batch: _Batch, slots: list[int], tokens: list[list[int]]) -> None:
             layers = cache_layers(batch.cache)
+            shared = batch.prefix
             for slot in slots:
                 r = int(batch.rows[slot])
                 # the last sampled id was never fed back, so it has no keys/values yet
                 kept = rows[r].prompt + tuple(tokens[r][:-1])
                 positions = batch.mask[slot].nonzero().squeeze(1)
                 assert len(positions) == len(kept), (len(positions), len(kept))
-                row_layers = take_row(layers, slot, positions)
+                if shared is None:
+                    row_layers = take_row(layers, slot, positions)
+                else:  # the prompt's columns from its group, then the row's own
+                    w, group = shared.width, int(shared.source[slot])
+                    head = take_row(shared.layers, group, positions[positions < w])
+                    tail = take_row(layers, slot, positions[positions >= w] - w)
+                    row_layers = [(torch.cat([hk, tk], dim=1), torch.cat([hv, tv], dim=1))
+                                  for (hk, hv), (tk, tv) in zip(head, tail, strict=True)]
                 self._put_session(session_ids[r], _Session(kept, row_layers, kv_nbytes(row_layers)))
 
         return keep
