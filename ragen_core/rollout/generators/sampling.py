@@ -65,6 +65,13 @@ def sample_from_logits(
         logp = torch.log_softmax(logits, dim=-1)  # [B, V]
         ids = logp.argmax(dim=-1)  # [B]
         return ids, logp.gather(1, ids[:, None]).squeeze(1)
+    if top_p >= 1.0:  # one vocabulary-sized tensor: exp(z - max z), sampled from unnormalised
+        z = logits if temperature == 1.0 else logits / temperature  # [B, V]
+        top = z.amax(dim=-1, keepdim=True)  # [B, 1]
+        weights = (z - top).exp_()  # [B, V]
+        ids, total = _inverse_cdf_by_blocks(weights, uniforms)
+        # log_softmax(z)[id] = z[id] - max z - log Σ exp(z - max z)
+        return ids, (z.gather(1, ids[:, None]) - top).squeeze(1) - total.log().float()
     logp = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
     # float64 cumulative sums keep the inverse-CDF lookup exact enough over ~50k-token vocabularies
     probs = logp.exp().double()  # [B, V]
@@ -80,3 +87,33 @@ def sample_from_logits(
     pos = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)  # [B, 1]
     ids = (pos if order is None else order.gather(1, pos)).squeeze(1)  # [B]
     return ids, logp.gather(1, ids[:, None]).squeeze(1)
+
+
+CDF_BLOCK = 1024
+"""Ids per block of :func:`_inverse_cdf_by_blocks`."""
+
+
+def _inverse_cdf_by_blocks(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The id whose float64 CDF first exceeds ``u`` × total, per row, and the total: probs [B, V] float32
+    (unnormalised weights will do), uniforms [B] -> (ids [B], totals [B] float64).
+
+    The same lookup as a float64 cumulative sum over the whole vocabulary, found in two levels: float64
+    sums of blocks of :data:`CDF_BLOCK` ids and their cumulative sum pick the block, one block's cumulative
+    sum the id. A full float64 copy and cumulative sum of [B, V] cost 21 ms of a 180 ms decode step at 64
+    rows over 49k ids (profiled: fresh pages for each new [B, V] tensor); this reads the weights once. An
+    id of probability 0 is never
+    returned (a rounding difference between the two levels falls back to the block's last likely id).
+    """
+    b, v = probs.shape
+    n_blocks = -(-v // CDF_BLOCK)
+    if v % CDF_BLOCK:
+        probs = torch.nn.functional.pad(probs, (0, n_blocks * CDF_BLOCK - v))
+    padded = probs.view(b, n_blocks, CDF_BLOCK)
+    block_cdf = padded.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [B, nb]
+    target = (uniforms.double() * block_cdf[:, -1])[:, None]  # [B, 1], strictly below the total mass
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=n_blocks - 1)  # [B, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # [B, 1]
+    inner = padded.gather(1, block[:, :, None].expand(b, 1, CDF_BLOCK)).squeeze(1)  # [B, K]
+    pos = torch.searchsorted(before + inner.double().cumsum(dim=-1), target, right=True)  # [B, 1]
+    last_likely = CDF_BLOCK - 1 - (inner > 0).flip(-1).int().argmax(dim=-1, keepdim=True)  # [B, 1]
+    return (block * CDF_BLOCK + torch.minimum(pos, last_likely)).squeeze(1), block_cdf[:, -1]

@@ -95,6 +95,30 @@ def test_sample_from_logits_temperature_and_greedy_golden():
     assert ids.tolist() == [0] and lps.item() == pytest.approx(math.log(0.5), abs=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [3, 1024, 2500, 49152])
+def test_block_inverse_cdf_picks_what_one_float64_cumsum_picks(vocab: int):
+    """sampling._inverse_cdf_by_blocks against the plain lookup (float64 cumulative sum over the whole
+    vocabulary, first CDF above u x total): the same id for every row and uniform, over flat, peaked and
+    sparse distributions (ids of probability 0 between likely ones, a vocabulary not a multiple of the
+    block), and never an id of probability 0."""
+    from ragen_core.rollout.generators.sampling import _inverse_cdf_by_blocks
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g) * torch.tensor([0.1, 1.0, 3.0, 8.0, 1.0, 1.0])[:, None]
+    logits[4, torch.randperm(vocab, generator=g)[: vocab // 2]] = float("-inf")  # half the ids impossible
+    logits[5] = float("-inf")
+    logits[5, torch.randperm(vocab, generator=g)[:2]] = 0.0  # two likely ids, far apart
+    probs = torch.softmax(logits, dim=-1)
+    for u in [0.0, 1e-9, 0.25, 0.5, 0.999999, *torch.rand(20, generator=g, dtype=torch.float64).tolist()]:
+        uniforms = torch.full((6,), u, dtype=torch.float64)
+        cdf = probs.double().cumsum(dim=-1)
+        want = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1).squeeze(1)
+        got, total = _inverse_cdf_by_blocks(probs, uniforms)
+        torch.testing.assert_close(total, cdf[:, -1])
+        assert got.tolist() == want.tolist(), u
+        assert bool((probs.gather(1, got[:, None]) > 0).all())
+
+
 def test_row_seed_is_stable_and_distinct():
     assert row_seed(7, 0) == row_seed(7, 0)
     assert len({row_seed(7, i) for i in range(100)} | {row_seed(8, 0)}) == 101
