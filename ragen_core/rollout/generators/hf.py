@@ -249,12 +249,12 @@ class HFGenerator:
             len(r.suffix) for r in unique
         )
         room = max(r.limit for r in rows)
-        shared = len(unique) < len(rows)  # then the rows are copied out of the prefill's cache below
+        shared = len(unique) < len(rows)  # then the rows come out of the prefill's cache below
         layers, mask, logits, cache = self._prefill_unique(unique, 0 if shared else room)
-        if cache is not None and not shared:  # one prefill group: its cache already has the room
-            return _Batch(cache, mask, logits, torch.arange(len(rows), device=self.device))
-        index = torch.tensor(source, device=self.device)
         slots = torch.arange(len(rows), device=self.device)
+        if not shared:  # one prefill group's cache already has the room; several groups' are assembled
+            return _Batch(cache if cache is not None else growing_cache(layers, room), mask, logits, slots)
+        index = torch.tensor(source, device=self.device)
         if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
             # the fast step reads the prompts once per group (cascade attention); the rows' cache holds only
             # the tokens each row decodes, so the prompts are never copied per row and dropping rows is cheap
