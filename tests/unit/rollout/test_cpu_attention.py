@@ -1,0 +1,88 @@
+"""The fused CPU decode attention kernel (cpu_attention.py) against torch's own attention."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ragen_core.rollout.generators import cpu_attention
+from ragen_core.rollout.generators.cpu_attention import decode_attention
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
+
+
+def _reference(q, k, v, mask, scale):
+    """softmax(q kᵀ·scale + mask) v and its log-sum-exp, in float64."""
+    s = torch.einsum("bhgd,bhwd->bhgw", q.double(), k.double()) * scale + mask.double()[:, None, None, :]
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhgw,bhwd->bhgd", (s - lse[..., None]).exp(), v.double()), lse
+
+
+@needs_compiler
+def test_the_kernel_builds_here():
+    """Where a compiler is, the kernel must build (a silent fallback would hide a broken source)."""
+    assert cpu_attention.kernel_available()
+
+
+@needs_compiler
+@pytest.mark.parametrize(("group", "head"), [(1, 32), (2, 32), (3, 64), (4, 64), (7, 64), (8, 128)])
+def test_matches_attention_over_padded_strided_caches(group, head):
+    """Left padding, holes, cache views with room after them (as kv.growing_cache makes), every group size
+    and head size built: out within 1e-5 and log-sum-exp within 1e-5 of float64 attention, and torch's SDPA."""
+    gen = torch.Generator().manual_seed(group * head)
+    b, h, w, room = 5, 2, 37, 11
+    q = torch.randn(b, h, group, head, generator=gen)
+    k = torch.randn(b, h, w + room, head, generator=gen)[:, :, :w]  # views: rows strided by w + room
+    v = torch.randn(b, h, w + room, head, generator=gen)[:, :, :w]
+    real = torch.ones(b, w, dtype=torch.bool)
+    real[1, :9] = False  # left padding
+    real[2, 4:7] = False  # holes (cache reuse)
+    real[3, :-1] = False  # one real column
+    mask = torch.zeros(b, w).masked_fill_(~real, float("-inf"))
+    got = decode_attention(q, k, v, mask, head**-0.5)
+    assert got is not None
+    out, lse = got
+    want, want_lse = _reference(q, k, v, mask, head**-0.5)
+    assert (out.double() - want).abs().max() <= 1e-5
+    assert (lse.double() - want_lse).abs().max() <= 1e-5
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :], scale=head**-0.5)
+    assert (out - sdpa).abs().max() <= 1e-5
+
+
+@needs_compiler
+def test_a_row_with_no_real_column_gets_zero_output_and_minus_infinity_lse():
+    """A finished row under cascade attention may have all its own columns masked: its part then weighs 0
+    in the merge (lse -inf), where torch's flash kernel reports lse 0."""
+    q, k, v = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 5, 64), torch.randn(2, 1, 5, 64)
+    mask = torch.zeros(2, 5)
+    mask[0] = float("-inf")
+    got = decode_attention(q, k, v, mask, 0.125)
+    assert got is not None
+    out, lse = got
+    assert torch.equal(out[0], torch.zeros(1, 3, 64)) and bool(torch.isneginf(lse[0]).all())
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_shapes_the_kernel_does_not_cover_fall_back():
+    """Not float32, a head size or group size not built, or a key layout without a contiguous last dimension:
+    None, and the caller uses torch's attention."""
+    q, k, v, mask = torch.randn(1, 1, 2, 64), torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64), torch.zeros(1, 4)
+    assert decode_attention(q.double(), k.double(), v.double(), mask.double(), 0.1) is None
+    assert decode_attention(torch.randn(1, 1, 2, 48), torch.randn(1, 1, 4, 48), torch.randn(1, 1, 4, 48), mask,
+                            0.1) is None
+    assert decode_attention(torch.randn(1, 1, 9, 64), k, v, mask, 0.1) is None
+    assert decode_attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, mask, 0.1) is None
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    """RAGEN_CPU_ATTENTION=0: no kernel (the A/B switch of bench/rollout.py)."""
+    monkeypatch.setenv("RAGEN_CPU_ATTENTION", "0")
+    cpu_attention._op.cache_clear()
+    try:
+        assert decode_attention(torch.randn(1, 1, 2, 64), torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64),
+                                torch.zeros(1, 4), 0.1) is None
+    finally:
+        cpu_attention._op.cache_clear()
