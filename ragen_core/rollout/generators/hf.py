@@ -41,6 +41,7 @@ from ragen_core.rollout.generators.base import (
 from ragen_core.rollout.generators.decode_step import LlamaDecodeStep, SharedPrefix, cascade_pays, decode_step_for
 from ragen_core.rollout.generators.kv import (
     LayerKV,
+    adopted_cache,
     cache_layers,
     growing_cache,
     kv_nbytes,
@@ -253,7 +254,7 @@ class HFGenerator:
         layers, mask, logits, cache = self._prefill_unique(unique, 0 if shared else room)
         slots = torch.arange(len(rows), device=self.device)
         if not shared:  # one prefill group's cache already has the room; several groups' are assembled
-            return _Batch(cache if cache is not None else growing_cache(layers, room), mask, logits, slots)
+            return _Batch(cache, mask, logits, slots)
         index = torch.tensor(source, device=self.device)
         if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
             # the fast step reads the prompts once per group (cascade attention); the rows' cache holds only
@@ -267,36 +268,41 @@ class HFGenerator:
 
     def _prefill_unique(
         self, rows: list[_Row], room: int
-    ) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor, DynamicCache | None]:
-        """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``; and, when
-        they were prefilled as one group, the cache they live in, with ``room`` free slots for decoding."""
+    ) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor, DynamicCache]:
+        """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``; and the
+        cache they live in, with ``room`` free slots for decoding."""
         groups = _chunks(list(range(len(rows))), rows, self.prefill_chunk_tokens)
         if len(groups) == 1:
             cache, mask, logits = self._prefill_group(rows, room)
             return cache_layers(cache), mask, logits, cache
         width = max(_width([rows[i] for i in g]) for g in groups)
         mask = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
-        layers: list[LayerKV] = []
+        buffers: list[LayerKV] = []  # [B, H, width + room, D]: the groups' caches go straight into the decode cache
         logits = torch.empty(0)
         for group in groups:
             g_cache, g_mask, g_logits = self._prefill_group([rows[i] for i in group], 0)
             g_layers = cache_layers(g_cache)
-            if not layers:  # allocate once the first group tells us shapes and dtypes
-                layers = [
+            if not buffers:  # allocate once the first group tells us shapes and dtypes
+                buffers = [
                     (
-                        k.new_zeros(len(rows), k.shape[1], width, k.shape[3]),
-                        v.new_zeros(len(rows), v.shape[1], width, v.shape[3]),
+                        k.new_empty(len(rows), k.shape[1], width + room, k.shape[3]),
+                        v.new_empty(len(rows), v.shape[1], width + room, v.shape[3]),
                     )
                     for k, v in g_layers
                 ]
+                for k, v in buffers:  # left padding holds zeros, not garbage (masked terms stay finite)
+                    k[:, :, :width].zero_()
+                    v[:, :, :width].zero_()
                 logits = g_logits.new_empty(len(rows), g_logits.shape[-1])
             index, w = torch.tensor(group, device=self.device), g_mask.shape[1]
-            for (k, v), (gk, gv) in zip(layers, g_layers, strict=True):
-                k[index, :, width - w :] = gk
-                v[index, :, width - w :] = gv
+            for (k, v), (gk, gv) in zip(buffers, g_layers, strict=True):
+                k[index, :, width - w : width] = gk
+                v[index, :, width - w : width] = gv
             mask[index, width - w :] = g_mask
             logits[index] = g_logits
-        return layers, mask, logits, None
+        # measured on the 5-turn FrozenLake rollout (4 prefill groups a turn): copying the assembled caches into
+        # buffers with room afterwards took 1.1 s of a 7.2-9.4 s prefill
+        return [(k[:, :, :width], v[:, :, :width]) for k, v in buffers], mask, logits, adopted_cache(buffers, width)
 
     def _prefill_group(self, group: list[_Row], room: int) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """Prefill one group; (its cache, with ``room`` free slots after the prompt, mask [G, W], logits [G, V])."""

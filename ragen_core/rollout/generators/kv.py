@@ -36,7 +36,6 @@ def stacked_cache(
     like: any cache of the same model (gives H, D, dtype, device). The caller's mask must be 0 on the
     left-padding slots, which hold zeros (not garbage) so masked attention terms stay finite.
     """
-    cache = DynamicCache()
     layers = []
     for layer, (k_like, v_like) in enumerate(like):
         h, d = k_like.shape[-3], k_like.shape[-1]
@@ -50,8 +49,15 @@ def stacked_cache(
             if n > 0:
                 keys[b, :, width - n : width] = row[layer][0]  # type: ignore[index]
                 values[b, :, width - n : width] = row[layer][1]  # type: ignore[index]
-        layers.append(_GrowingLayer.adopt(keys, values, width))
-    cache.layers = [*layers]  # a list display: typed as the attribute's list
+        layers.append((keys, values))
+    return adopted_cache(layers, width)
+
+
+def adopted_cache(buffers: Sequence[LayerKV], length: int) -> DynamicCache:
+    """A growing cache over preallocated buffers ([B, H, capacity, D] per layer) whose first ``length`` slots
+    are filled; decoding appends into the rest (no copy)."""
+    cache = DynamicCache()
+    cache.layers = [_GrowingLayer.adopt(k, v, length) for k, v in buffers]
     return cache
 
 
