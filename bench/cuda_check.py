@@ -75,6 +75,11 @@ def _lora(model: torch.nn.Module, targets: list[str], seed: int) -> torch.nn.Mod
     return peft_model
 
 
+def _to(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` on ``device`` (as nn.Module: transformers' wrapped ``.to`` confuses mypy, see models/tiny.py)."""
+    return model.to(device)
+
+
 def _rescored(model: torch.nn.Module, prompt: list[int], reply: tuple[int, ...], temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) of ``reply`` after ``prompt`` from one plain full forward on the model's device,
     as [len(reply)] float64 on the CPU."""
@@ -194,11 +199,10 @@ def check_generator(device: torch.device) -> Result:
     from ragen_core.models.tiny import tiny_random
 
     model, tokenizer = tiny_random(1)
-    model = model.to(device)  # type: ignore[arg-type]  # transformers' wrapped .to (see models/tiny.py)
     stop = (int(tokenizer.eos_token_id), *range(40, 130))
-    out: Result = {"plain": _generator_case(model, tokenizer, stop)}
-    lora_model, lora_tok = tiny_random(1)
-    lora_model = _lora(lora_model.to(device), ["q_proj", "v_proj", "up_proj"], seed=5)  # type: ignore[arg-type]
+    out: Result = {"plain": _generator_case(_to(model, device), tokenizer, stop)}
+    lora_base, lora_tok = tiny_random(1)
+    lora_model = _lora(_to(lora_base, device), ["q_proj", "v_proj", "up_proj"], seed=5)
     out["lora"] = _generator_case(lora_model, lora_tok, stop)
     out["pass"] = all(v["pass"] for v in out.values())
     return out
