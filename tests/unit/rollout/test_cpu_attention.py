@@ -78,7 +78,7 @@ def test_shapes_the_kernel_does_not_cover_fall_back():
 
 
 def test_turned_off_by_the_environment(monkeypatch):
-    """RAGEN_CPU_ATTENTION=0: no kernel (the A/B switch of bench/rollout.py)."""
+    """RAGEN_CPU_ATTENTION=0: no kernel (the switch for timing with and without it)."""
     monkeypatch.setenv("RAGEN_CPU_ATTENTION", "0")
     cpu_attention._op.cache_clear()
     try:
