@@ -12,7 +12,9 @@ cascade attention's merge. Measured the same way: 35-40 ms against 55-58.
 No library offers this for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
 paged layout, torch's flash kernel is the one measured above. The source below is compiled at first use by
 ``torch.utils.cpp_extension.load_inline`` (gcc and ninja, about 25 s; cached under torch's extensions
-directory afterwards) for this machine's vector unit. Without a compiler, or where the build fails, or for a
+directory afterwards) for the vector instructions torch itself uses on this CPU (AVX512 or AVX2: torch's own
+flags for them, not ``-march=native``, so that a cache shared by several machines never hands one a kernel
+with instructions it lacks). Without a compiler, or where the build fails, or for a
 shape not instantiated (head sizes 32/64/128, up to 8 query rows per key/value head), :func:`decode_attention`
 returns None and the caller uses ``scaled_dot_product_attention``; ``RAGEN_CPU_ATTENTION=0`` turns it off.
 
@@ -179,11 +181,24 @@ TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) { m.impl("decode_attention", &de
 """
 
 
-def _capability_flags() -> list[str]:
-    """Compiler flags for ATen's vector types on this CPU, as torch's own kernels pick them."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability in ("AVX512", "AVX2"):
-        return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+_ISA_FLAGS = {
+    # the instruction sets torch builds its own AVX2 / AVX512 kernels for (not -march=native: torch's extension
+    # cache is keyed by source and flags, not by machine, and may sit on a home directory that several
+    # machines share; a kernel built for one CPU must not be loaded by another that lacks its instructions)
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def _capability() -> str:
+    """torch's CPU capability here: the vector code torch itself runs (AVX512, AVX2, or DEFAULT and others)."""
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def _capability_flags(capability: str) -> list[str]:
+    """Compiler flags for ATen's vector types at ``capability``, as torch's own kernels are built."""
+    if capability in _ISA_FLAGS:
+        return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_ISA_FLAGS[capability]]
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
@@ -197,11 +212,12 @@ def _op() -> Any | None:
         return None
     from torch.utils.cpp_extension import load_inline
 
+    capability = _capability()
     try:
         load_inline(
-            "ragen_cpu_attention",
+            f"ragen_cpu_attention_{capability.lower()}",  # one build per capability in a shared extension cache
             cpp_sources=[_SOURCE],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_flags()],
+            extra_cflags=["-O3", "-fopenmp", *_capability_flags(capability)],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
