@@ -253,7 +253,7 @@ class HFGenerator:
         shared = len(unique) < len(rows)  # then the rows come out of the prefill's cache below
         layers, mask, logits, cache = self._prefill_unique(unique, 0 if shared else room)
         slots = torch.arange(len(rows), device=self.device)
-        if not shared:  # one prefill group's cache already has the room; several groups' are assembled
+        if not shared:  # the prefill's cache already has the room (one group's, or the groups' written into it)
             return _Batch(cache, mask, logits, slots)
         index = torch.tensor(source, device=self.device)
         if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
