@@ -3,11 +3,11 @@
 A decode step has one query token per row: the query heads that share a key/value head are that head's few
 query rows (3 for SmolLM2), and each (row, key/value head) reads its own keys and values once. That is
 memory-bound work of tiny matrix products, which torch's CPU flash kernel runs as small GEMMs with a block
-softmax: measured on this 2-core machine at 64 rows over 271 cached tokens, 30 layers, 55-58 ms a decode step
-against 21-29 ms just to read the keys and values once. The kernel here does, per (row, key/value head), in
-one pass over the cache and in registers: the query rows' dot products with each key, the softmax (ATen's
-vectorised ``exp``), and the probability-weighted sum of the values; it returns the log-sum-exp too, for
-cascade attention's merge. Measured the same way: 35-40 ms against 55-58.
+softmax: measured on this 2-core machine at 64 rows over 271 cached tokens, 55-58 ms of attention per decode
+step (30 layers) against 21-29 ms just to read the keys and values once. The kernel here does, per (row,
+key/value head), in one pass over the cache and in registers: the query rows' dot products with each key, the
+softmax (ATen's vectorised ``exp``), and the probability-weighted sum of the values; it returns the
+log-sum-exp too, for cascade attention's merge. Measured the same way: 35-40 ms against 55-58.
 
 No library offers this for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
 paged layout, torch's flash kernel is the one measured above. The source below is compiled at first use by
