@@ -81,6 +81,7 @@ from ragen_core.trainer.warmup import warmup_facts, warmup_model
 from ragen_core.types import RolloutBatch, Selection, Trajectory, UpdateStats
 
 if TYPE_CHECKING:  # transformers only for the annotation: ragen_core.models loads it when a model is loaded
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("ragen")
@@ -264,7 +265,8 @@ def open_session(
     with state.full_weights():  # a vLLM generator starts from a saved copy of the actor
         generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
                                    **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len,
-                                         "fast_decode": cfg.rollout.fast_decode}
+                                         "fast_decode": cfg.rollout.fast_decode,
+                                         "value_head": _rollout_value_head(state)}
                                       if cfg.rollout.backend == "hf"
                                       else {"gpu_memory_utilization": cfg.rollout.vllm_gpu_memory}))
     if distributed.is_main():
@@ -273,6 +275,16 @@ def open_session(
                    progress)
     sess.collapse_ema = collapse_ema
     return sess
+
+
+def _rollout_value_head(state: TrainState) -> torch.nn.Module | None:
+    """The actor's value head (``critic: head``) for the hf generator to record old values with, so the update
+    runs no forward for them (trainer.update._rollout_side); None with a separate critic or none, or when ZeRO-3
+    partitions the head (its weights exist only inside the engine's forward)."""
+    head = state.models.value_head
+    if head is None or any(hasattr(p, "ds_id") for p in head.parameters()):
+        return None
+    return head
 
 
 # --------------------------------------------------------------------------- the steps

@@ -51,6 +51,9 @@ class Turn:
     """Number of tokens inside <think>...</think> (0 in NoThink mode)."""
     n_effective_actions: int = 0
     """Executed actions that changed the env state."""
+    values: tuple[float, ...] = ()
+    """The critic head's value of the state before each of ``response_ids`` at sampling time (``Generation.values``;
+    empty when the generator records none). It spares the update a forward for its old values (trainer.update)."""
 
 
 class TrajectoryMeta(TypedDict, total=False):
@@ -136,6 +139,7 @@ class TokenBatch:
     turn_ends: torch.Tensor  # [B, T] bool, True on the last generated token of each turn
     group_ids: torch.Tensor  # [B] long, trajectories sharing an initial state
     returns: torch.Tensor  # [B] float, trajectory total_return (GRPO input)
+    old_values: torch.Tensor | None = None  # [B, T] float, critic head values at sampling where loss_mask, else 0
 
     @property
     def batch_size(self) -> int:
@@ -151,6 +155,8 @@ class TokenBatch:
         sub = {name: getattr(self, name).index_select(0, idx) for name in _ROW_FIELDS}
         # trim columns that are padding in every selected row
         width = int(sub["attention_mask"].any(0).nonzero().max().item()) + 1 if len(idx) else 0
+        if self.old_values is not None:
+            sub["old_values"] = self.old_values.index_select(0, idx)
         sub = {k: v[:, :width] if v.dim() == 2 else v for k, v in sub.items()}
         return TokenBatch(**sub, group_ids=gi, returns=self.returns.index_select(0, idx))
 

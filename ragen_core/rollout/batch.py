@@ -162,7 +162,27 @@ def build_token_batch(
         rewards=rewards, turn_ids=turn_ids, turn_ends=turn_ends,
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
         returns=torch.tensor([t.total_return for t in trajectories], dtype=torch.float32),
+        old_values=_sampled_values(rows, trajectories, loss_mask),
     )
+
+
+def _sampled_values(rows: Sequence[RenderedSequence], trajectories: Sequence[Trajectory],
+                    loss_mask: torch.Tensor) -> torch.Tensor | None:
+    """[B, T] the values the generator recorded (``Turn.values``) on the loss positions, 0 elsewhere; or None
+    unless every row holds all its turns (none dropped, nothing cut) and every turn carries its values.
+
+    Only then was each reply sampled in a context that is a prefix of its row (context.py), so a recorded value
+    is the critic head's value at exactly that row position, what the update's forward would compute.
+    """
+    out = torch.zeros(loss_mask.shape, dtype=torch.float32)
+    for b, (row, traj) in enumerate(zip(rows, trajectories, strict=True)):
+        if row.start_turn != 0 or any(len(t.values) != len(t.response_ids) for t in traj.turns):
+            return None
+        values = [v for t in traj.turns for v in t.values]
+        if int(loss_mask[b].sum()) != len(values):  # cut from the left (_cut_left)
+            return None
+        out[b, loss_mask[b]] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

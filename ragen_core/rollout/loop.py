@@ -265,7 +265,7 @@ def _apply_reply(ep: _Episode, gen: Generation, renderer: ChatRenderer, cfg: Rol
         logprobs=tuple(float(x) for x in gen.logprobs), response_text=text, actions=tuple(executed),
         reward=reward, penalty=cfg.format_reward if ok else cfg.format_penalty, parse_ok=ok,
         finish_reason=gen.finish_reason, think_tokens=renderer.count_tokens(parsed.think) if cfg.think else 0,
-        n_effective_actions=effective,
+        n_effective_actions=effective, values=tuple(gen.values) if gen.values is not None else (),
     ))
     ep.named.append(len(parsed.actions))
     ep.unknown.append(len(matched.unknown) + rejected)

@@ -12,7 +12,9 @@ store/run_dir.py, which owns a run folder's layout). Runs written before 2026-11
 here accept both, and rewriting an iteration of such a run moves it to the new name. One row per trajectory
 with its turns nested (``list<struct>``: prompt and response ids as ``list<int32>``, sampling
 log-probs as ``list<float32>``, the dtype they were sampled in), token counts, and ``kept`` (did
-the StarPO-S filter keep the trajectory's group). ``schema_version`` is a column and is also in
+the StarPO-S filter keep the trajectory's group). ``turn_values`` (``list<list<float32>>``, one list per
+turn) holds the critic head's values recorded at sampling (``Turn.values``, empty lists when none); shards
+written before it existed read back with no values. ``schema_version`` is a column and is also in
 the file's schema metadata; a reader refuses shards from a newer version.
 
 A shard is written to a hidden temp file (``.part-0.parquet.tmp-<pid>``) in the same directory,
@@ -95,6 +97,7 @@ _COLUMNS: list[tuple[str, pa.DataType]] = [  # annotated: a list of mixed DataTy
     ("response_tokens", pa.int32()),
     ("meta_json", pa.string()),
     ("turns", pa.list_(TURN_TYPE)),
+    ("turn_values", pa.list_(pa.list_(pa.float32()))),
 ]
 SCHEMA = pa.schema(_COLUMNS, metadata={_META_KEY: str(SCHEMA_VERSION).encode()})
 """One row per trajectory (module docstring)."""
@@ -131,6 +134,7 @@ def _row(t: Trajectory, kept: bool) -> dict[str, Any]:
         "response_tokens": t.response_tokens,
         "meta_json": json.dumps(t.meta, sort_keys=True, ensure_ascii=False),
         "turns": [{name: getattr(x, name) for name in TURN_TYPE.names} for x in t.turns],
+        "turn_values": [list(x.values) for x in t.turns],
     }
 
 
@@ -230,6 +234,8 @@ def read_trajectories(source: str | os.PathLike[str] | pd.DataFrame) -> list[Tra
 
 
 def _trajectory(row: Mapping[Hashable, Any]) -> Trajectory:
+    values = row.get("turn_values")  # None in shards written before the column existed
+    values = [()] * len(row["turns"]) if values is None else [tuple(float(x) for x in v) for v in values]
     turns = tuple(
         Turn(
             observation=t["observation"],
@@ -244,8 +250,9 @@ def _trajectory(row: Mapping[Hashable, Any]) -> Trajectory:
             finish_reason=t["finish_reason"],
             think_tokens=int(t["think_tokens"]),
             n_effective_actions=int(t["n_effective_actions"]),
+            values=v,
         )
-        for t in row["turns"]
+        for t, v in zip(row["turns"], values, strict=True)
     )
     return Trajectory(
         env_tag=row["env_tag"], seed=int(row["seed"]), group_id=int(row["group_id"]), turns=turns,

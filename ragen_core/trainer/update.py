@@ -50,6 +50,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -198,7 +199,8 @@ def _on(batch: TokenBatch, device: torch.device) -> TokenBatch:
     """The batch's tensors on ``device`` (the batch itself stays where it is: selection runs on CPU)."""
     if batch.input_ids.device == device:
         return batch
-    return TokenBatch(**{k: v.to(device, non_blocking=True) for k, v in vars(batch).items()})
+    moved: dict[str, Any] = {k: None if v is None else v.to(device, non_blocking=True) for k, v in vars(batch).items()}
+    return TokenBatch(**moved)
 
 
 def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -209,14 +211,22 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 def _rollout_side(
     state: TrainState, batch: TokenBatch, cfg: ExperimentConfig
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(old values [B, T] or None, reference log-probs [B, T] or None), micro-batched, no gradients."""
+    """(old values [B, T] or None, reference log-probs [B, T] or None), micro-batched, no gradients.
+
+    A value head's old values come from the rollout when the generator recorded them (``batch.old_values``:
+    the head on the hidden states the sampled tokens came from, the same weights and positions as this
+    forward, equal within float rounding); then no forward runs for them."""
     models = state.models
+    values: list[torch.Tensor] = []
+    ref: list[torch.Tensor] = []
     has_critic = models.critic is not None or models.value_head is not None
+    if has_critic and models.critic is None and batch.old_values is not None:
+        values.append(batch.old_values.float())
+        has_critic = False  # nothing left to run for them
     if not has_critic and not models.use_reference:
-        return None, None
+        return (values[0] if values else None), None
     # Each forward runs through the engine of the module it reads (ZeRO-3 gathers weights only there).
     critic_engine = state.critic_engine or state.actor_engine  # a value head is trained by the actor's engine
-    values, ref = [], []
     width, device = batch.input_ids.shape[1], models.device
     for s in micro_slices(batch.batch_size, cfg.trainer.micro_batch_size):
         micro = _on(batch.select(torch.arange(s.start, s.stop)), device)

@@ -60,3 +60,33 @@ def test_collapse_diagnostics_every_k_iterations_with_an_ema_kept_in_checkpoints
     assert saved["collapse_ema"]["first_turn"] == pytest.approx(first["collapse/first_turn/marginal_std"])
     resumed = open_session(cfg, NullLogger(), sess.run_dir, say=lambda line: None)
     assert resumed.collapse_ema == pytest.approx(saved["collapse_ema"])
+
+
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_a_value_heads_old_values_come_from_the_rollout(tmp_path, monkeypatch, critic: str) -> None:
+    # Issue 21: with critic: head the hf generator records the head's values as it samples, so the update needs
+    # no forward for its old values; they are what that forward gives (1e-4). A separate critic records none.
+    from pathlib import Path
+
+    import torch
+
+    from ragen_core.config import load_experiment
+    from ragen_core.session import collect_rollouts, open_session, tokenize_and_filter
+    from ragen_core.tracking import NullLogger
+    from ragen_core.trainer.models import critic_values
+
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path))
+    smoke = Path(__file__).resolve().parents[2] / "experiments" / "smoke.yaml"
+    cfg = load_experiment(smoke, [f"algorithm.critic={critic}", "eval.every=0", "algorithm.filter_strategy=none",
+                                  "rollout.max_new_tokens=12"])
+    sess = open_session(cfg, NullLogger(), tmp_path / "run", say=lambda line: None)
+    batch = tokenize_and_filter(sess, collect_rollouts(sess)).batch
+    if critic == "separate":
+        assert batch.old_values is None
+        return
+    assert batch.old_values is not None
+    assert batch.batch_size == cfg.prompts_per_rollout * cfg.rollout.responses_per_prompt
+    with torch.no_grad():
+        values = critic_values(sess.state.models, batch.input_ids, batch.attention_mask.long())
+    torch.testing.assert_close(batch.old_values[batch.loss_mask], values[batch.loss_mask], rtol=0, atol=1e-4)
+    assert not batch.old_values[~batch.loss_mask].any()

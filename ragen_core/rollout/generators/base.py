@@ -76,6 +76,10 @@ class Generation:
     """Log-prob of each sampled id under ``log_softmax(logits / temperature)`` (module docstring)."""
     finish_reason: str
     """``"stop"`` or ``"length"``."""
+    values: tuple[float, ...] | None = None
+    """With a value head (``HFGenerator(value_head=...)``): per sampled id, the head's value of the state it was
+    sampled in (the hidden state its logits came from), i.e. what the trainer's critic forward gives at that
+    position (``trainer.models.critic_values``); None when the backend records no values."""
 
 
 @runtime_checkable

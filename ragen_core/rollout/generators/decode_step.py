@@ -153,6 +153,8 @@ class LlamaDecodeStep:
         self._stale = True  # fused weights to (re)build before the next step
         self._layers: list[_Layer] = []
         self._embed = self._final_norm = self._head = torch.empty(0)
+        self.last_hidden: torch.Tensor | None = None
+        """[B, H] the final-norm hidden state of the last ``step`` (the one the logits came from)."""
         param = next(model.parameters())
         self.packed = (param.device.type == "cpu" and param.dtype == torch.float32
                        and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -214,10 +216,10 @@ class LlamaDecodeStep:
              cache: DynamicCache, prefix: SharedPrefix | None = None) -> torch.Tensor:
         """Feed ``ids`` ([B] long) at ``positions`` ([B] long); ``mask`` [B, W + 1] (1 on real tokens,
         this step's column included) covers the cache's W tokens and this one. Appends this token's keys
-        and values to ``cache`` and returns the next-token logits [B, V]. Weights as of the first step after
-        construction or the last ``invalidate``. ``prefix``: the first columns of ``mask``, shared by prompt
-        groups and held there, not in ``cache``, which then holds the columns after them (cascade attention,
-        :meth:`_cascade`); or None."""
+        and values to ``cache`` and returns the next-token logits [B, V] (their hidden state: ``last_hidden``).
+        Weights as of the first step after construction or the last ``invalidate``. ``prefix``: the first columns
+        of ``mask``, shared by prompt groups and held there, not in ``cache``, which then holds the columns after
+        them (cascade attention, :meth:`_cascade`); or None."""
         if self._stale:
             self._build()
         b = ids.shape[0]
@@ -256,7 +258,9 @@ class LlamaDecodeStep:
             h = self._rms(x, layer.norm2)
             gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + self._linear(F.silu(gate) * up, layer.down)
-        return self._linear(self._rms(x, self._final_norm), self._head)
+        hidden = self._rms(x, self._final_norm)  # [B, H] the last hidden state (a value head reads it)
+        self.last_hidden = hidden
+        return self._linear(hidden, self._head)
 
 
     def _cascade(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: SharedPrefix, layer: int,

@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -91,6 +92,7 @@ class HFGenerator:
         shrink_below: float = 0.5,
         max_cached_bytes: int = 8 << 30,
         fast_decode: bool = True,
+        value_head: torch.nn.Module | None = None,
     ) -> None:
         """
         model: a causal LM whose forward accepts ``past_key_values``, ``position_ids`` and ``logits_to_keep``.
@@ -106,6 +108,11 @@ class HFGenerator:
         fast_decode: decode steps through ``decode_step.LlamaDecodeStep`` (same arithmetic, without
             ``model.forward``'s per-step machinery, on oneDNN-packed weights) where the architecture is
             covered; off = ``model.forward`` (``RolloutConfig.fast_decode``).
+        value_head: a module mapping the model's last hidden state [..., H] to a value [..., 1] (the trainer's
+            ``critic: head``): each ``Generation`` then carries the head's value of every sampled id's state
+            (``Generation.values``), so the update needs no forward for its old values. It is read at each
+            call, so an optimizer step on it is seen. Ignored (values None) for a model without a final norm
+            module to read the hidden state from (``_final_norm``).
         """
         self.model = model
         self.device = next(model.parameters()).device
@@ -121,6 +128,9 @@ class HFGenerator:
         self.max_cached_bytes = max_cached_bytes
         _check_plain_attention(model)
         self._step = decode_step_for(model) if fast_decode else None
+        self.value_head = value_head
+        self._norm = _final_norm(model)
+        self._hidden: torch.Tensor | None = None  # [B, H] last position's hidden state, from the norm's hook
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
         self._cached_bytes = 0
         self._weights_version = self._current_weights_version()
@@ -169,6 +179,9 @@ class HFGenerator:
         was_training = self.model.training
         # eval mode: no dropout, and gradient checkpointing (training only) would switch the cache off
         self.model.eval()
+        hook = None
+        if self._records_values():  # only during this call: a training forward must not feed it
+            hook = cast(torch.nn.Module, self._norm).register_forward_hook(self._keep_hidden)
         try:
             with torch.inference_mode(), gqa_attention(self.model):
                 version = self._current_weights_version()
@@ -181,6 +194,28 @@ class HFGenerator:
                 return self._run(rows, params, session_ids)
         finally:
             self.model.train(was_training)
+            self._hidden = None
+            if hook is not None:
+                hook.remove()
+
+    # ------------------------------------------------------------------ values
+
+    def _records_values(self) -> bool:
+        return self.value_head is not None and self._norm is not None
+
+    def _keep_hidden(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
+        self._hidden = output[:, -1, :]  # [B, H]: rows are left-padded, so the last column is every row's last
+
+    def _values(self, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[B] the value head on ``hidden`` ([B, H], the fast step's) or on the hook's last capture; None when
+        values are not recorded."""
+        if not self._records_values():
+            return None
+        hidden = self._hidden if hidden is None else hidden
+        assert hidden is not None, "a forward of the model ran without the final norm's hook"
+        head = cast(torch.nn.Module, self.value_head)
+        weight = next(head.parameters())
+        return head(hidden.to(weight.dtype)).squeeze(-1).float()
 
     # ------------------------------------------------------------------ planning
 
@@ -222,7 +257,8 @@ class HFGenerator:
         self._stats["reused_tokens"] += sum(r.reused for r in rows)
         self._stats["calls"] += 1
         keep = None if session_ids is None or not self.cache_reuse else self._keeper(rows, session_ids)
-        out = _decode(self.model, batch, rows, params, self.pad_token_id, self.shrink_below, keep, self._step)
+        values = self._values if self._records_values() else None
+        out = _decode(self.model, batch, rows, params, self.pad_token_id, self.shrink_below, keep, self._step, values)
         self._stats["decode_seconds"] += time.perf_counter() - t1
         self._stats["decode_tokens"] += batch.fed
         self._stats["generated_tokens"] += sum(len(g.token_ids) for g in out)
@@ -251,34 +287,38 @@ class HFGenerator:
         )
         room = max(r.limit for r in rows)
         shared = len(unique) < len(rows)  # then the rows come out of the prefill's cache below
-        layers, mask, logits, cache = self._prefill_unique(unique, 0 if shared else room)
+        layers, mask, logits, cache, values = self._prefill_unique(unique, 0 if shared else room)
         slots = torch.arange(len(rows), device=self.device)
         if not shared:  # the prefill's cache already has the room (one group's, or the groups' written into it)
-            return _Batch(cache, mask, logits, slots)
+            return _Batch(cache, mask, logits, slots, values=values)
         index = torch.tensor(source, device=self.device)
+        values = None if values is None else values.index_select(0, index)
         if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
             # the fast step reads the prompts once per group (cascade attention); the rows' cache holds only
             # the tokens each row decodes, so the prompts are never copied per row and dropping rows is cheap
             prefix = SharedPrefix(layers, mask, index)
             own = growing_cache([(k[:, :, :0].index_select(0, index), v[:, :, :0].index_select(0, index))
                                  for k, v in layers], room)
-            return _Batch(own, mask.index_select(0, index), logits.index_select(0, index), slots, prefix=prefix)
+            return _Batch(own, mask.index_select(0, index), logits.index_select(0, index), slots, prefix=prefix,
+                          values=values)
         layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers]
-        return _Batch(growing_cache(layers, room), mask.index_select(0, index), logits.index_select(0, index), slots)
+        return _Batch(growing_cache(layers, room), mask.index_select(0, index), logits.index_select(0, index), slots,
+                      values=values)
 
     def _prefill_unique(
         self, rows: list[_Row], room: int
-    ) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor, DynamicCache]:
-        """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``; and the
-        cache they live in, with ``room`` free slots for decoding."""
+    ) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor, DynamicCache, torch.Tensor | None]:
+        """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``; the
+        cache they live in, with ``room`` free slots for decoding; the last position's values [B] or None."""
         groups = _chunks(list(range(len(rows))), rows, self.prefill_chunk_tokens)
         if len(groups) == 1:
             cache, mask, logits = self._prefill_group(rows, room)
-            return cache_layers(cache), mask, logits, cache
+            return cache_layers(cache), mask, logits, cache, self._values()
         width = max(_width([rows[i] for i in g]) for g in groups)
         mask = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
         buffers: list[LayerKV] = []  # [B, H, width + room, D]: the groups' caches go straight into the decode cache
         logits = torch.empty(0)
+        values = torch.empty(len(rows), device=self.device) if self._records_values() else None
         for group in groups:
             g_cache, g_mask, g_logits = self._prefill_group([rows[i] for i in group], 0)
             g_layers = cache_layers(g_cache)
@@ -300,9 +340,12 @@ class HFGenerator:
                 v[index, :, width - w : width] = gv
             mask[index, width - w :] = g_mask
             logits[index] = g_logits
+            if values is not None:
+                values[index] = cast(torch.Tensor, self._values())
         # measured on the 5-turn FrozenLake rollout (4 prefill groups a turn): copying the assembled caches into
         # buffers with room afterwards took 1.1 s of a 7.2-9.4 s prefill
-        return [(k[:, :, :width], v[:, :, :width]) for k, v in buffers], mask, logits, adopted_cache(buffers, width)
+        layers = [(k[:, :, :width], v[:, :, :width]) for k, v in buffers]
+        return layers, mask, logits, adopted_cache(buffers, width), values
 
     def _prefill_group(self, group: list[_Row], room: int) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """Prefill one group; (its cache, with ``room`` free slots after the prompt, mask [G, W], logits [G, V])."""
@@ -431,11 +474,15 @@ class _Batch:
     """Real tokens fed through decode forwards so far."""
     prefix: SharedPrefix | None = None
     """The prompt columns shared by prompt groups (cascade attention in the fast step), or None."""
+    values: torch.Tensor | None = None
+    """[B] the value head's value of each slot's current state (the hidden state ``logits`` came from), or None."""
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only the slots ``keep`` ([K] long) in every batch tensor."""
         self.cache.batch_select_indices(keep)
         self.mask, self.logits, self.rows = self.mask[keep], self.logits[keep], self.rows[keep]
+        if self.values is not None:
+            self.values = self.values[keep]
         if self.prefix is not None:
             self.prefix.select(keep)
 
@@ -449,15 +496,18 @@ def _decode(
     shrink_below: float,
     keep: Callable[[_Batch, list[int], list[list[int]]], None] | None,
     step: LlamaDecodeStep | None = None,
+    values_of: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None,
 ) -> list[Generation]:
     """Sample until every row stopped or reached its limit; ``keep`` gets each slot's cache at the end.
-    ``step``: the fast decode step (decode_step.py), else ``model.forward``."""
+    ``step``: the fast decode step (decode_step.py), else ``model.forward``. ``values_of``: the slots' values
+    [B] after a forward, from the fast step's hidden state (or None: the hook's); None records no values."""
     n = len(rows)
     streams = row_generators(params.seed, n, params.streams)
     stop_ids = torch.tensor(params.stop_token_ids or [-1], device=batch.mask.device)  # -1 is never sampled
     limits = [r.limit for r in rows]
     tokens: list[list[int]] = [[] for _ in range(n)]
     logps: list[list[float]] = [[] for _ in range(n)]
+    vals: list[list[float]] = [[] for _ in range(n)]
     finish = [FINISH_LENGTH] * n
     alive = list(range(n))  # slots still sampling
     while True:
@@ -466,6 +516,9 @@ def _decode(
         u = draw_uniforms(streams, live_rows, batch.mask.device)
         ids, lps = sample_from_logits(batch.logits[slots], params.temperature, params.top_p, u)  # [A], [A]
         stopped = torch.isin(ids, stop_ids).tolist()
+        if batch.values is not None:
+            for r, v in zip(live_rows, batch.values[slots].tolist(), strict=True):
+                vals[r].append(v)
         still = []
         for slot, r, tok, lp, stop in zip(alive, live_rows, ids.tolist(), lps.tolist(), stopped, strict=True):
             tokens[r].append(tok)
@@ -491,23 +544,51 @@ def _decode(
         live[still] = 1
         positions = batch.mask.sum(-1, keepdim=True)  # [B, 1] next position of each slot
         batch.mask = torch.cat([batch.mask, live[:, None]], dim=1)
-        if step is not None:
-            batch.logits = step.step(next_ids, positions[:, 0], batch.mask, batch.cache, batch.prefix)
-        else:
-            out = model(
-                input_ids=next_ids[:, None],
-                attention_mask=batch.mask,
-                position_ids=positions,
-                past_key_values=batch.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            batch.logits = out.logits[:, -1, :]
+        _feed(model, batch, next_ids, positions, step, values_of)
         batch.fed += len(still)
         alive = still
     if keep is not None:
         keep(batch, list(range(len(batch.rows))), tokens)
-    return [Generation(tuple(t), tuple(lp), f) for t, lp, f in zip(tokens, logps, finish, strict=True)]
+    recorded = batch.values is not None
+    return [Generation(tuple(t), tuple(lp), f, tuple(v) if recorded else None)
+            for t, lp, f, v in zip(tokens, logps, finish, vals, strict=True)]
+
+
+def _feed(
+    model: torch.nn.Module,
+    batch: _Batch,
+    next_ids: torch.Tensor,
+    positions: torch.Tensor,
+    step: LlamaDecodeStep | None,
+    values_of: Callable[[torch.Tensor | None], torch.Tensor | None] | None,
+) -> None:
+    """One decode forward of ``next_ids`` ([B]) at ``positions`` ([B, 1]): the batch's next logits (and values)."""
+    if step is not None:
+        batch.logits = step.step(next_ids, positions[:, 0], batch.mask, batch.cache, batch.prefix)
+    else:
+        out = model(
+            input_ids=next_ids[:, None],
+            attention_mask=batch.mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.logits = out.logits[:, -1, :]
+    if values_of is not None:
+        batch.values = values_of(step.last_hidden if step is not None else None)
+
+
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder's final norm (its output is the last hidden state the output layer reads), or None.
+
+    transformers' decoder-only models keep it as ``norm`` on the inner model (``model.model.norm`` for
+    Llama, Qwen, Mistral; a peft wrapper adds a level, ``get_base_model`` removes it)."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    inner = getattr(base, "model", None)
+    norm = getattr(inner, "norm", None)
+    return norm if isinstance(norm, torch.nn.Module) else None
 
 
 def _check_plain_attention(model: torch.nn.Module) -> None:

@@ -226,3 +226,34 @@ def test_mask_problems_catches_a_shifted_or_widened_mask(tok: PreTrainedTokenize
     env_masked = batch.loss_mask.clone()
     env_masked[0, :5] = True
     assert mask_problems(dataclasses.replace(batch, loss_mask=env_masked), trajs, tok)
+
+
+def _with_values(traj: Trajectory, values: list[tuple[float, ...]]) -> Trajectory:
+    turns = tuple(dataclasses.replace(t, values=v) for t, v in zip(traj.turns, values, strict=True))
+    return dataclasses.replace(traj, turns=turns)
+
+
+def test_recorded_values_land_on_the_loss_positions(tok: PreTrainedTokenizerBase) -> None:
+    """Golden: Turn.values (the generator's value head at sampling) go where old_logprobs go; select keeps them."""
+    traj = _with_values(_hand_trajectory(), [(0.5, 0.25, 2.0), (-1.0, 3.0)])
+    batch = build_token_batch([traj], tok, RolloutConfig())
+    assert batch.old_values is not None
+    assert batch.old_values[0].tolist() == [0, 0, 0, 0.5, 0.25, 2.0, 0, 0, -1.0, 3.0]
+    short = Trajectory("Bandit", 1, 4, (_hand_trajectory().turns[0],), success=False, terminated=True,
+                       truncated=False)
+    two = build_token_batch([traj, _with_values(short, [(1.5, 1.0, 0.5)])], tok, RolloutConfig())
+    assert two.old_values is not None and two.old_values[1].tolist() == [0, 0, 0, 1.5, 1.0, 0.5, 0, 0, 0, 0]
+    sub = two.select([1])
+    assert sub.old_values is not None and sub.old_values.tolist() == [[0, 0, 0, 1.5, 1.0, 0.5]]
+
+
+def test_no_recorded_values_unless_every_row_is_its_whole_dialogue(tok: PreTrainedTokenizerBase) -> None:
+    """None (the update then runs its critic forward) when a turn has no values, or a row lost turns or tokens:
+    a value recorded in another context is not the value at that row position."""
+    full = _with_values(_hand_trajectory(), [(0.5, 0.25, 2.0), (-1.0, 3.0)])
+    assert build_token_batch([_hand_trajectory()], tok, RolloutConfig()).old_values is None
+    half = _with_values(_hand_trajectory(), [(0.5, 0.25, 2.0), ()])
+    assert build_token_batch([full, half], tok, RolloutConfig()).old_values is None
+    assert build_token_batch([full], tok, RolloutConfig(), max_length=9).old_values is None  # a turn dropped
+    assert build_token_batch([full], tok, RolloutConfig(window_turns=1)).old_values is None
+    assert build_token_batch([full], tok, RolloutConfig(), max_length=10).old_values is not None

@@ -33,7 +33,7 @@ from ragen_core.types import Trajectory, Turn
 
 def _hand() -> Trajectory:
     turn = Turn("état √ 日本\n#P#", (1, 2, 3), (7, 8, 2), (-0.5, -0.25, -1.125), "réponse 🙂", ("Up", "Left"),
-                -0.2, -0.1, False, "stop", 4, 1)
+                -0.2, -0.1, False, "stop", 4, 1, (0.5, -1.25, 3.0))
     cut = Turn("s", (9,), (10,) * 5, (-2.0,) * 5, "", (), 0.0, -0.1, False, "length", 0, 0)
     return Trajectory("SokobanNewVocab", 2**40, 7, (turn, cut), success=False, terminated=False, truncated=True,
                       dropped_turns=1, meta={"member": 3, "user_texts": ["a", "b"], "nested": {"x": [1, 2]}})
@@ -64,14 +64,16 @@ def test_round_trip_is_exact(tmp_path: Path, rollouts: tuple[list[Trajectory], R
     tok = load_tokenizer("tiny-random")
     a, b = build_token_batch(trajs, tok, cfg), build_token_batch(back[:4], tok, cfg)
     for f in dataclasses.fields(a):
-        assert torch.equal(getattr(a, f.name), getattr(b, f.name)), f.name
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert (x is None and y is None) or torch.equal(x, y), f.name
     row = frame.iloc[4]
     assert (row["n_turns"], row["n_actions"], row["prompt_tokens"], row["response_tokens"]) == (2, 2, 4, 8)
     assert row["total_return"] == pytest.approx(-0.4) and row["env_return"] == pytest.approx(-0.2)
 
 
 def test_schema_covers_every_turn_field_and_is_what_files_carry(tmp_path: Path) -> None:
-    assert set(store.TURN_TYPE.names) == {f.name for f in dataclasses.fields(Turn)}
+    # Turn.values is the turn_values column (a top-level column, so shards written before it still concatenate)
+    assert set(store.TURN_TYPE.names) | {"values"} == {f.name for f in dataclasses.fields(Turn)}
     schema = pq.read_schema(store.write_shard(tmp_path, 0, [_hand()]))
     assert schema.equals(store.SCHEMA, check_metadata=False)
     assert schema.metadata[b"ragen.schema_version"] == str(store.SCHEMA_VERSION).encode()
@@ -203,3 +205,18 @@ def test_runs_in_the_old_iter_layout_still_read_and_move_when_rewritten(tmp_path
     store.write_shard(tmp_path, 1, [_hand(), _hand()], [False, False])
     assert store.read_run(tmp_path)["iteration"].tolist() == [0, 1, 1, 2, 2]
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["iter=0000", "iteration=1", "iteration=2"]
+
+
+def test_shards_without_recorded_values_read_back_with_none(tmp_path: Path) -> None:
+    """A shard written before the turn_values column existed reads back with empty Turn.values, alone and next to a
+    newer shard (read_run), and the newer one keeps its values."""
+    old_table = store.to_table([_hand()]).drop_columns(["turn_values"])
+    path = store.shard_path(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    pq.write_table(old_table, path)
+    (old,) = store.read_trajectories(path)
+    assert [t.values for t in old.turns] == [(), ()]
+    store.write_shard(tmp_path, 1, [_hand()])
+    first, second = store.read_trajectories(tmp_path)
+    assert [t.values for t in first.turns] == [(), ()]
+    assert second == _hand() and second.turns[0].values == (0.5, -1.25, 3.0)

@@ -207,13 +207,18 @@ def test_online_k_larger_than_batch_is_refused() -> None:
         update(init_state(cfg), make_batch(), cfg)
 
 
-def test_update_does_not_modify_the_batch() -> None:
-    cfg = make_cfg("starpo")
+@pytest.mark.parametrize("recorded", [False, True])  # with old values recorded at sampling (a value head's)
+def test_update_does_not_modify_the_batch(recorded: bool) -> None:
+    import dataclasses
+
+    cfg = make_cfg("starpo", *(["algorithm.critic=head"] if recorded else []))
     batch = make_batch()
-    copies = {k: v.clone() for k, v in vars(batch).items()}
+    if recorded:
+        batch = dataclasses.replace(batch, old_values=torch.where(batch.loss_mask, 0.5, 0.0))
+    copies = {k: None if v is None else v.clone() for k, v in vars(batch).items()}
     update(init_state(cfg), batch, cfg)
     for k, v in vars(batch).items():
-        assert torch.equal(v, copies[k]), k
+        assert (v is None and copies[k] is None) or torch.equal(v, copies[k]), k
 
 
 def test_grpo_advantages_are_not_whitened_and_follow_groups() -> None:
@@ -369,3 +374,30 @@ def test_token_budget_micro_batches_give_the_same_gradient(preset: str) -> None:
     for a, b in zip(grads["24"], grads["null"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert norms["24"] == pytest.approx(norms["null"], rel=1e-5)
+
+
+def test_recorded_old_values_spare_the_critic_forward_and_give_the_same_update() -> None:
+    """A value head's old values from the rollout (``TokenBatch.old_values``, the generator's head on the hidden
+    states it sampled from): the decoder runs only for the update's own forwards, and the gradients equal those
+    of the update that computes the old values itself."""
+    import dataclasses
+
+    from ragen_core.trainer.models import critic_values
+
+    cfg = make_cfg("starpo-s", "algorithm.critic=head", "trainer.micro_batch_size=2")
+    batch = make_batch()
+    grads, calls = [], []
+    for recorded in (False, True):
+        state = init_state(cfg)
+        with torch.no_grad():
+            values = critic_values(state.models, batch.input_ids, batch.attention_mask.long())
+        given = dataclasses.replace(batch, old_values=torch.where(batch.loss_mask, values, 0.0)) if recorded else batch
+        seen = _capture_grads(state.actor_engine)
+        count = _count_calls(decoder_and_head(state.models.actor)[0])
+        stats = update(state, given, cfg)
+        grads.append(seen[0])
+        calls.append(count[0])
+        assert CRITIC_KEYS <= stats.metrics.keys()
+    assert calls == [2 * (8 // 2), 8 // 2]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
