@@ -161,17 +161,19 @@ def reference_logprobs(
     temperature: float,
     chunk: int,
     start: int = 1,
+    scored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs [B, T] of the tokens under the reference policy (frozen copy, or actor without adapters).
 
-    Positions before ``start`` are not scored and hold 0 (see ``forward.chunked_logprobs``).
+    Positions before ``start``, or with ``scored`` ([B, T] bool) those it leaves out, are not scored and hold 0
+    (see ``forward.chunked_logprobs``).
     """
     if not models.use_reference:
         raise ValueError("no reference policy: algorithm.kl_coef is 0")
     if models.ref is not None:
         return policy_forward(models.ref, input_ids, attention_mask, temperature, chunk, entropy_grad=False,
-                              start=start).logprobs
+                              start=start, scored=scored).logprobs
     # A reference without a frozen copy is LoRA's (build_policy_models), so the actor is a peft model here.
     with lora_model(models.actor).disable_adapter():  # LoRA: the base model is the reference
         return policy_forward(models.actor, input_ids, attention_mask, temperature, chunk, entropy_grad=False,
-                              start=start).logprobs
+                              start=start, scored=scored).logprobs

@@ -64,7 +64,6 @@ from ragen_core.trainer.forward import (
     can_pack,
     can_share,
     decoder_and_head,
-    first_scored,
     policy_forward,
     shared_prefix_groups,
 )
@@ -236,7 +235,7 @@ def _rollout_side(
         if models.use_reference:  # a frozen copy outside the engine, or the actor with its adapters off
             lp = state.actor_engine.forward(reference_logprobs, models, micro.input_ids, micro.attention_mask,
                                             cfg.rollout.temperature, cfg.trainer.logprob_chunk,
-                                            start=first_scored(micro.loss_mask))
+                                            scored=micro.loss_mask)
             ref.append(_pad_to(lp.cpu(), width))
     return (torch.cat(values) if values else None), (torch.cat(ref) if ref else None)
 
@@ -418,7 +417,7 @@ def _actor_loss(
     """
     algo, mask = cfg.algorithm, micro.loss_mask
     out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
-                         cfg.trainer.logprob_chunk, entropy_grad=algo.entropy_coef > 0, start=first_scored(mask))
+                         cfg.trainer.logprob_chunk, entropy_grad=algo.entropy_coef > 0, scored=mask)
     pg_loss, pg_stats = losses.policy_loss(
         out.logprobs, micro.old_logprobs, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
         dual_clip=algo.dual_clip, agg=algo.loss_agg, normaliser=normaliser)

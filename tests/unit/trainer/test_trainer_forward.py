@@ -250,6 +250,45 @@ def test_chunked_logprobs_start_skips_the_prompt() -> None:
     torch.testing.assert_close(ent[:, 5:], full_ent[:, 5:], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("one_piece_bytes", [ONE_PIECE_LOGITS_BYTES, 0])  # one piece; pieces, recomputed
+def test_scored_positions_only_give_the_same_values_and_gradients(one_piece_bytes: int) -> None:
+    # The loss mask of two multi-turn rows with padding: only its positions run the output layer. Values and
+    # gradients (through the hidden states and the head) equal the full computation's on them; 0 elsewhere.
+    model, _ = tiny_random(0)
+    decoder, head = decoder_and_head(model)
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(3))
+    scored = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 1, 0], [1, 0, 0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    weights = torch.randn(2, 10, generator=torch.Generator().manual_seed(4))
+    results = []
+    for only in (False, True):
+        model.zero_grad()
+        hidden = hidden_states(decoder, ids, torch.ones_like(ids, dtype=torch.bool))
+        lp, ent = chunked_logprobs(hidden, ids, head, chunk=2, one_piece_bytes=one_piece_bytes,
+                                   scored=scored if only else None)
+        keep = scored.clone()
+        keep[:, 0] = False  # position 0 is never scored
+        ((lp + ent) * weights * keep).sum().backward()
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (full_lp, full_ent, full_grads), (lp, ent, grads) = results
+    torch.testing.assert_close(lp * keep, full_lp * keep, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent * keep, full_ent * keep, atol=1e-6, rtol=0)
+    assert not lp[~keep].any() and not ent[~keep].any()
+    assert len(grads) == len(full_grads) > 0
+    for a, b in zip(grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_scored_positions_none_at_all() -> None:  # all zeros, and a graph that reaches the parameters
+    model, _ = tiny_random(0)
+    decoder, head = decoder_and_head(model)
+    ids = torch.randint(0, 300, (2, 4))
+    hidden = hidden_states(decoder, ids, torch.ones_like(ids, dtype=torch.bool))
+    lp, ent = chunked_logprobs(hidden, ids, head, scored=torch.zeros(2, 4, dtype=torch.bool))
+    assert torch.equal(lp, torch.zeros(2, 4)) and torch.equal(ent, torch.zeros(2, 4))
+    (lp.sum() + ent.sum()).backward()  # a zero-weighted micro-batch still backpropagates (ZeRO pairs backwards)
+    assert all(p.grad is not None and not p.grad.any() for p in head.parameters())
+
+
 def test_first_scored() -> None:
     mask = torch.tensor([[False, False, False, True, True], [False, False, True, True, False]])
     assert first_scored(mask) == 2  # the earliest trained position over the rows
