@@ -44,6 +44,7 @@ __all__ = [
     "first_scored",
     "hidden_states",
     "pack_pays",
+    "packed_tail",
     "policy_forward",
     "shared_prefix_groups",
     "shift_values",
@@ -159,7 +160,7 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
     states independent of what follows, so this is the same computation (equal within float
     rounding), and autograd sums the rows' gradients through the repeated prefix. When
     :func:`pack_pays` (short, uneven tails), the rows' own tokens run packed into one row on the
-    one-row prefix cache instead of padded to the longest tail (:func:`_packed_tail`). For a
+    one-row prefix cache instead of padded to the longest tail (:func:`packed_tail`). For a
     single-turn Bandit group of 8 (187-token prompt, replies of ~26 tokens capped at 48) it runs
     about 400 tokens instead of 8 × 235 = 1,880 (padded tails: 571). Not used under gradient
     checkpointing, which switches the cache off, nor with sliding-window layers.
@@ -180,7 +181,7 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
         head = decoder(input_ids=ids[:1, :prefix], attention_mask=m[:1, :prefix], past_key_values=cache, use_cache=True)
         tails = m[:, prefix:].sum(dim=1)  # [n] each row's own tokens (right-padded, at least 1)
         if can_pack(decoder) and pack_pays(tails.tolist(), prefix):
-            tail = _packed_tail(decoder, ids[:, prefix:], tails, prefix, cache)
+            tail = packed_tail(decoder, ids[:, prefix:], tails, prefix, cache)
         else:
             cache.batch_repeat_interleave(len(rows))  # [1, heads, prefix, d] -> [n, heads, prefix, d]
             tail = decoder(input_ids=ids[:, prefix:], attention_mask=m, past_key_values=cache,
@@ -244,7 +245,7 @@ def backbone_tokens(lengths: Sequence[int], groups: Sequence[tuple[Sequence[int]
     return total + alone * width
 
 
-def _packed_tail(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, prefix: int,
+def packed_tail(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, prefix: int,
                  cache: object) -> torch.Tensor:
     """Hidden states of rows' own tokens run as one packed row on a one-row prefix cache.
 

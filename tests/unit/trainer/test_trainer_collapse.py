@@ -59,19 +59,28 @@ def test_cache_reuse_equals_the_naive_pairwise_forward(tiny: tuple[PreTrainedMod
     vocab = model.config.vocab_size
     prompts = _random_ids(gen, 3, 15, 40, vocab)  # different lengths
     reasonings = _random_ids(gen, 7, 1, 12, vocab) + [[17]]  # ragged, with a one-token reasoning
-    calls: list[tuple[int, ...]] = []
-    hook = model.get_decoder().register_forward_pre_hook(
-        lambda mod, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    calls: list[tuple[tuple[int, ...], int]] = []  # (input shape, cached tokens before the pass)
+
+    def record(mod, args, kwargs) -> None:
+        cache = kwargs.get("past_key_values")
+        calls.append((tuple(kwargs["input_ids"].shape), 0 if cache is None else cache.get_seq_length()))
+
+    hook = model.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
     try:
         fast = collapse.cross_logprobs(model, prompts, reasonings, logits_bytes=logits_bytes)
     finally:
         hook.remove()
     torch.testing.assert_close(fast, _naive(model, prompts, reasonings), atol=1e-4, rtol=0)
-    # one pass per distinct prompt, each prompt alone; every other pass runs reasoning tokens only
-    assert [shape for shape in calls if shape[1] >= 15] == [(1, len(x)) for x in prompts]
-    assert all(shape[1] <= 11 for shape in calls if shape[1] < 15)
+    # one pass per distinct prompt, each prompt alone; every other pass runs reasoning tokens only, on its cache
+    assert [shape for shape, cached in calls if cached == 0] == [(1, len(x)) for x in prompts]
+    continued = [(shape, cached) for shape, cached in calls if cached > 0]
+    assert {cached for _, cached in continued} == {len(x) for x in prompts}
+    own = sum(len(z) - 1 for z in reasonings)  # tokens run after the prompt (a last token predicts nothing)
     if logits_bytes == 1:
         assert len(calls) == 3 + 3 * 7  # one row per pass (the one-token reasoning needs no pass of its own)
+        assert all(shape[0] == 1 for shape, _ in continued) and sum(s[1] for s, _ in continued) == 3 * own
+    else:  # all reasonings in one pass, short and uneven: packed into one row of exactly their tokens
+        assert [shape for shape, _ in continued] == [(1, own)] * 3
 
 
 def test_whole_row_fallback_matches_too(tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
