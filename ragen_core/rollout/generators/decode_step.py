@@ -153,6 +153,7 @@ class LlamaDecodeStep:
         self._stale = True  # fused weights to (re)build before the next step
         self._layers: list[_Layer] = []
         self._embed = self._final_norm = self._head = torch.empty(0)
+        self._head_source: tuple[tuple[int, int, tuple[int, ...]], torch.Tensor] | None = None  # packed head's source
         self.last_hidden: torch.Tensor | None = None
         """[B, H] the final-norm hidden state of the last ``step`` (the one the logits came from)."""
         param = next(model.parameters())
@@ -188,12 +189,20 @@ class LlamaDecodeStep:
                 ))
             self._embed = sd[prefix + "embed_tokens.weight"]
             self._final_norm = sd[prefix + "norm.weight"]
-            self._head = sd.get("lm_head.weight", self._embed)
+            head = sd.get("lm_head.weight", self._embed)
             if self.packed:
                 for layer in self._layers:
                     layer.qkv, layer.o = _pack(layer.qkv), _pack(layer.o)
                     layer.gate_up, layer.down = _pack(layer.gate_up), _pack(layer.down)
-                self._head = _pack(self._head)
+                # the output layer (tied to the embedding, no adapter under LoRA) is mostly unchanged by an update:
+                # packing its 49k x 576 weights again took 45 ms of the ~0.25 s rebuild after every update. Its
+                # source is kept alive, so no other tensor can take its address: the same address and version
+                # counter then mean the same values (a new .data or an in-place step changes one of them)
+                key = (head.data_ptr(), head._version, tuple(head.shape))
+                if self._head_source is None or key != self._head_source[0]:
+                    self._head, self._head_source = _pack(head), (key, head.detach())
+            else:
+                self._head = head
         self._stale = False
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trained_lora import with_trained_lora
 
 from ragen_core.models.tiny import tiny_random
 from ragen_core.rollout.generators.base import SamplingParams
@@ -53,13 +54,7 @@ def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch() -> Non
 def test_generations_with_and_without_the_fast_step_agree(lora: bool) -> None:
     model, tok = tiny_random(seed=1)
     if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
-        with torch.no_grad():  # a trained adapter: B is zero at init, which would hide a missing merge
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.2)
+        model = with_trained_lora(model, ["q_proj", "v_proj", "up_proj"])
     prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1], [11, 4]]
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
     fast = HFGenerator(model, tok, fast_decode=True).generate(prompts, params)
@@ -104,6 +99,37 @@ def test_update_weights_rebuilds_the_fused_weights_when_the_versions_did_not_mov
     torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(reference.logprobs), rtol=0, atol=1e-4)
 
 
+def test_an_unchanged_output_layer_is_not_packed_again() -> None:
+    # Under LoRA an update moves only the adapters: the rebuild keeps the packed output layer (tied to the
+    # embedding), and the step still samples what model.forward samples; a step on the embedding repacks it.
+    model = with_trained_lora(tiny_random(seed=5)[0], ["q_proj", "v_proj", "up_proj"])
+    tok = tiny_random(seed=5)[1]
+    gen = HFGenerator(model, tok, fast_decode=True)
+    step = gen._step
+    assert step is not None
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=4)
+    gen.generate([[5, 6, 7], [9, 2]], params)
+    packed_head = step._head
+    with torch.no_grad():  # an optimizer step on the adapters only
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    after = gen.generate([[5, 6, 7], [9, 2]], params)
+    assert step._head is packed_head
+    reference = HFGenerator(model, tok, fast_decode=False).generate([[5, 6, 7], [9, 2]], params)
+    for a, r in zip(after, reference, strict=True):
+        assert a.token_ids == r.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(r.logprobs), rtol=0, atol=1e-4)
+    with torch.no_grad():
+        model.get_base_model().model.embed_tokens.weight.mul_(1.5)
+    moved = gen.generate([[5, 6, 7], [9, 2]], params)
+    assert step._head is not packed_head
+    reference = HFGenerator(model, tok, fast_decode=False).generate([[5, 6, 7], [9, 2]], params)
+    for a, r in zip(moved, reference, strict=True):
+        assert a.token_ids == r.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(r.logprobs), rtol=0, atol=1e-4)
+
+
 def test_an_architecture_it_does_not_cover_falls_back_to_model_forward() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -128,13 +154,7 @@ def test_cascade_attention_over_shared_prompts_samples_what_model_forward_sample
 
     model, tok = tiny_random(seed=4)
     if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"]))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.2)
+        model = with_trained_lora(model, ["q_proj", "k_proj", "v_proj"])
     plans = []
     real_plan = decode_step.SharedPrefix.plan
     monkeypatch.setattr(decode_step.SharedPrefix, "plan",

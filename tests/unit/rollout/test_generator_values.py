@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trained_lora import with_trained_lora
 
 from ragen_core.models.tiny import tiny_random
 from ragen_core.rollout.generators.base import SamplingParams
@@ -18,13 +19,7 @@ from ragen_core.rollout.generators.hf import HFGenerator, _final_norm
 def _model(lora: bool, seed: int = 4) -> tuple[torch.nn.Module, object, torch.nn.Linear]:
     model, tok = tiny_random(seed=seed)
     if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
-        with torch.no_grad():  # a trained adapter: B is zero at init, which would hide a missing merge
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.2)
+        model = with_trained_lora(model, ["q_proj", "v_proj", "up_proj"])
     torch.manual_seed(seed)
     head = torch.nn.Linear(model.config.hidden_size, 1)
     with torch.no_grad():
