@@ -51,6 +51,10 @@ from ragen_core.rollout.generators.kv import (
 )
 from ragen_core.rollout.generators.sampling import draw_uniforms, row_generators, sample_from_logits
 
+SHRINK_BELOW = 0.5
+"""The default ``shrink_below``. Measured (SmolLM2, one thread, 32 rows, 600 tokens): a step 0.27 s, dropping half
+the rows 0.13 s (their whole caches are copied), a step with 16 rows 0.17 s, so it pays back in ~2 steps."""
+
 SHARED_SHRINK_BELOW = 0.9
 """``shrink_below`` when the batch decodes under cascade attention (``_Batch.prefix``): dropping rows then copies
 only their own decoded columns, not the prompt. Measured on the demo's rollouts (64 rows in 8 prompt groups, the
@@ -95,7 +99,7 @@ class HFGenerator:
         max_length: int | None = None,
         cache_reuse: bool = True,
         prefill_chunk_tokens: int = 8192,
-        shrink_below: float = 0.5,
+        shrink_below: float | None = None,
         max_cached_bytes: int = 8 << 30,
         fast_decode: bool = True,
         value_head: torch.nn.Module | None = None,
@@ -108,10 +112,9 @@ class HFGenerator:
         prefill_chunk_tokens: rows are prefilled in groups of at most this many (padded) tokens,
             which bounds the attention scores' memory.
         shrink_below: finished rows are dropped from the decode batch once the unfinished ones are
-            fewer than this fraction of it. Measured (SmolLM2, one thread, 32 rows, 600 tokens): a step
-            0.27 s, dropping half the rows 0.13 s, a step with 16 rows 0.17 s, so it pays back in ~2 steps.
-            Under cascade attention (prompt groups) a drop copies only the rows' own columns, so there they
-            go sooner: :data:`SHARED_SHRINK_BELOW`.
+            fewer than this fraction of it (0: never; 1: as soon as one finishes). None: 0.5
+            (:data:`SHRINK_BELOW`), or :data:`SHARED_SHRINK_BELOW` under cascade attention, where a drop
+            copies only the rows' own columns.
         max_cached_bytes: session caches beyond this are evicted, least recently used first.
         fast_decode: decode steps through ``decode_step.LlamaDecodeStep`` (same arithmetic, without
             ``model.forward``'s per-step machinery, on oneDNN-packed weights) where the architecture is
@@ -501,7 +504,7 @@ def _decode(
     rows: list[_Row],
     params: SamplingParams,
     pad_token_id: int,
-    shrink_below: float,
+    shrink_below: float | None,
     keep: Callable[[_Batch, list[int], list[list[int]]], None] | None,
     step: LlamaDecodeStep | None = None,
     values_of: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None,
@@ -540,7 +543,7 @@ def _decode(
         width = len(batch.rows)
         next_ids = torch.full((width,), pad_token_id, dtype=torch.long, device=batch.mask.device)
         next_ids[slots] = ids
-        if len(still) < (SHARED_SHRINK_BELOW if batch.prefix is not None else shrink_below) * width:
+        if len(still) < _shrink_threshold(shrink_below, batch) * width:
             # drop finished slots: keep their caches first, then shrink every batch tensor
             if keep is not None:
                 keep(batch, sorted(set(range(width)) - set(still)), tokens)
@@ -560,6 +563,13 @@ def _decode(
     recorded = batch.values is not None
     return [Generation(tuple(t), tuple(lp), f, tuple(v) if recorded else None)
             for t, lp, f, v in zip(tokens, logps, finish, vals, strict=True)]
+
+
+def _shrink_threshold(shrink_below: float | None, batch: _Batch) -> float:
+    """The fraction of alive rows below which finished rows leave the batch (``HFGenerator``'s shrink_below)."""
+    if shrink_below is not None:
+        return shrink_below
+    return SHARED_SHRINK_BELOW if batch.prefix is not None else SHRINK_BELOW
 
 
 def _feed(
