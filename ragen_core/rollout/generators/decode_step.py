@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from ragen_core.rollout.generators.cpu_attention import decode_attention
+from ragen_core.rollout.generators.cpu_attention import Shared, decode_attention
 
 __all__ = ["LlamaDecodeStep", "SharedPrefix", "decode_step_for"]
 
@@ -63,10 +63,17 @@ class SharedPrefix:
     source: torch.Tensor
     """[B] long: the prompt (index into U) of each batch slot."""
     _plan: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
+    _additive: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
         return int(self.mask.shape[1])
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """[U, width] the shared columns' additive mask (0 on real tokens, -inf on left padding)."""
+        if self._additive is None or self._additive.dtype != dtype:
+            self._additive = _additive(self.mask, dtype)
+        return self._additive
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only the batch slots ``keep`` ([K] long), as the batch cache does."""
@@ -89,8 +96,7 @@ class SharedPrefix:
                     gather[u * n + j] = slot
                     back[slot] = u * n + j
             device = self.mask.device
-            additive = _additive(self.mask, dtype)[:, None, None, :]
-            self._plan = (gather.to(device), back.to(device), n, additive)
+            self._plan = (gather.to(device), back.to(device), n, self.additive(dtype)[:, None, None, :])
         return self._plan
 
 
@@ -228,7 +234,8 @@ class LlamaDecodeStep:
         and values to ``cache`` and returns the next-token logits [B, V] (their hidden state: ``last_hidden``).
         Weights as of the first step after construction or the last ``invalidate``. ``prefix``: the first columns
         of ``mask``, shared by prompt groups and held there, not in ``cache``, which then holds the columns after
-        them (cascade attention, :meth:`_cascade`); or None."""
+        them (cascade attention: one call of the fused kernel, cpu_attention.Shared; :meth:`_cascade` without
+        it); or None."""
         if self._stale:
             self._build()
         b = ids.shape[0]
@@ -241,8 +248,8 @@ class LlamaDecodeStep:
         additive = _additive(mask, x.dtype)  # [B, W + 1]
         attn_mask = additive[:, None, None, :]  # [B, 1, 1, W + 1]
         if prefix is not None:
-            plan = prefix.plan(x.dtype)
             own_mask = additive[:, prefix.width :]  # [B, S] the columns after the shared ones (this step's included)
+            shared_mask = prefix.additive(x.dtype)
         k_end = (nh + nkv) * d
         for i, (layer, kv) in enumerate(zip(self._layers, cast(list[Any], cache.layers), strict=True)):
             h = self._rms(x, layer.norm1)
@@ -258,7 +265,11 @@ class LlamaDecodeStep:
             # 64 over a 240-token cache: 48 ms for 30 layers against 56 with enable_gqa.
             q = q.reshape(b, nkv, nh // nkv, d)
             if prefix is not None:
-                a = self._cascade(q, keys, values, prefix, i, plan, own_mask)
+                # one kernel call: each row's softmax over its group's shared columns, then its own
+                pk, pv = prefix.layers[i]
+                fused = decode_attention(q, keys, values, own_mask, self.scale,
+                                         shared=Shared(pk, pv, shared_mask, prefix.source))
+                a = fused[0] if fused is not None else self._cascade(q, keys, values, prefix, i, own_mask)
             elif (fused := decode_attention(q, keys, values, additive, self.scale)) is not None:
                 a = fused[0]  # [B, nkv, nh // nkv, d]: the fused kernel of cpu_attention.py
             else:
@@ -273,15 +284,15 @@ class LlamaDecodeStep:
 
 
     def _cascade(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: SharedPrefix, layer: int,
-                 plan: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor], own_mask: torch.Tensor) -> torch.Tensor:
-        """Attention of q [B, nkv, g, d] over the cache, in two parts merged by their log-sum-exps (cascade
-        attention, as in FlashInfer and vLLM): the shared columns once per prompt group, that group's query
-        rows stacked ([U, nkv, n·g, d]), then each row over its own columns (``keys``/``values``, the batch
-        cache). The same softmax over the union, up to float rounding; the shared keys are read U times
-        instead of B."""
+                 own_mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, nkv, g, d] over the cache without the fused kernel, in two parts merged by their
+        log-sum-exps (cascade attention, as in FlashInfer and vLLM): the shared columns once per prompt group,
+        that group's query rows stacked ([U, nkv, n·g, d]), then each row over its own columns
+        (``keys``/``values``, the batch cache). The same softmax over the union, up to float rounding; the shared
+        keys are read U times instead of B."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         _, nkv, g, d = q.shape
-        gather, back, n, shared_mask = plan
+        gather, back, n, shared_mask = prefix.plan(q.dtype)
         groups = shared_mask.shape[0]
         pk, pv = prefix.layers[layer]
         stacked = torch.cat([q, q.new_zeros(1, nkv, g, d)])[gather]  # [U·n, nkv, g, d]; row B: a hole's zeros

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ragen_core.rollout.generators import cpu_attention
-from ragen_core.rollout.generators.cpu_attention import decode_attention
+from ragen_core.rollout.generators.cpu_attention import Shared, decode_attention
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -64,6 +64,49 @@ def test_a_row_with_no_real_column_gets_zero_output_and_minus_infinity_lse():
     out, lse = got
     assert torch.equal(out[0], torch.zeros(1, 3, 64)) and bool(torch.isneginf(lse[0]).all())
     assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+
+
+@needs_compiler
+@pytest.mark.parametrize(("group", "head"), [(3, 64), (1, 32), (8, 128)])
+def test_shared_columns_then_own_columns_in_one_softmax(group, head):
+    """Cascade attention in one call: row b attends to its group's shared columns (left-padded, as a prompt
+    group's prefill makes them) and then to its own (views with room after them, one row with none real, as a
+    finished row has). Equal to attention over each row's shared and own columns concatenated (float64
+    reference, 1e-5), rows of a group in any order and groups of any size."""
+    gen = torch.Generator().manual_seed(group + head)
+    b, h, p, w, room = 7, 2, 13, 6, 4
+    groups = torch.tensor([2, 0, 2, 2, 0, 1, 2])  # uneven, interleaved
+    q = torch.randn(b, h, group, head, generator=gen)
+    sk = torch.randn(3, h, p + room, head, generator=gen)[:, :, :p]
+    sv = torch.randn(3, h, p + room, head, generator=gen)[:, :, :p]
+    shared_mask = torch.zeros(3, p)
+    shared_mask[1, :5] = float("-inf")  # a shorter prompt, left-padded
+    k = torch.randn(b, h, w + room, head, generator=gen)[:, :, :w]
+    v = torch.randn(b, h, w + room, head, generator=gen)[:, :, :w]
+    mask = torch.zeros(b, w)
+    mask[3] = float("-inf")  # a finished row: no own column
+    mask[4, :2] = float("-inf")
+    got = decode_attention(q, k, v, mask, head**-0.5, shared=Shared(sk, sv, shared_mask, groups))
+    assert got is not None
+    whole_k, whole_v = torch.cat([sk[groups], k], 2), torch.cat([sv[groups], v], 2)
+    want, want_lse = _reference(q, whole_k, whole_v, torch.cat([shared_mask[groups], mask], 1), head**-0.5)
+    assert (got[0].double() - want).abs().max() <= 1e-5
+    assert (got[1].double() - want_lse).abs().max() <= 1e-5
+
+
+@needs_compiler
+def test_bad_shared_columns_get_a_clear_error():
+    """A group index out of range, or part of the shared arguments only: an error that names the problem."""
+    q, k, v, mask = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 4, 64), torch.randn(2, 1, 4, 64), torch.zeros(2, 4)
+    sk, sv, sm = torch.randn(2, 1, 5, 64), torch.randn(2, 1, 5, 64), torch.zeros(2, 5)
+    with pytest.raises(RuntimeError, match="source must index the shared groups"):
+        decode_attention(q, k, v, mask, 0.1, shared=Shared(sk, sv, sm, torch.tensor([0, 2])))
+    with pytest.raises(RuntimeError, match="shared shapes do not match"):
+        decode_attention(q, k, v, mask, 0.1, shared=Shared(sk, sv, torch.zeros(2, 4), torch.tensor([0, 1])))
+    op = cpu_attention._op()
+    assert op is not None
+    with pytest.raises(RuntimeError, match="go together"):
+        op(q, k, v, mask, 0.1, sk, sv, None, None)
 
 
 def test_shapes_the_kernel_does_not_cover_fall_back():

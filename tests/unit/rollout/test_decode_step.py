@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from trained_lora import with_trained_lora
@@ -144,21 +146,33 @@ def test_an_architecture_it_does_not_cover_falls_back_to_model_forward() -> None
     assert decode_step_for(zero3) is None
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused-kernel", "flash-and-merge"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_cascade_attention_over_shared_prompts_samples_what_model_forward_samples(lora: bool, monkeypatch) -> None:
-    """Prompt groups (N rows of one prompt, prefilled once): the fast step attends to the shared prompt once
-    per group and merges it with each row's own tokens (decode_step.SharedPrefix). Same ids and log-probs
-    within 1e-4 as model.forward over every row's full cache, through early stops, the batch shrinking and
-    a second turn that reuses each row's kept cache."""
-    from ragen_core.rollout.generators import decode_step
+def test_cascade_attention_over_shared_prompts_samples_what_model_forward_samples(lora: bool, kernel: bool,
+                                                                                  monkeypatch) -> None:
+    """Prompt groups (N rows of one prompt, prefilled once): the fast step keeps the shared prompt once per
+    group (decode_step.SharedPrefix), and each row attends to it and to its own tokens: in one call of the
+    fused CPU kernel, or (without it) torch's flash kernel over each group's stacked rows merged with the rows'
+    own part by log-sum-exps. Same ids and log-probs within 1e-4 as model.forward over every row's full cache,
+    through early stops, the batch shrinking and a second turn that reuses each row's kept cache."""
+    from ragen_core.rollout.generators import cpu_attention, decode_step
 
+    if kernel and not cpu_attention.kernel_available():
+        pytest.skip("no C++ compiler to build the kernel")
     model, tok = tiny_random(seed=4)
     if lora:
         model = with_trained_lora(model, ["q_proj", "k_proj", "v_proj"])
-    plans = []
-    real_plan = decode_step.SharedPrefix.plan
-    monkeypatch.setattr(decode_step.SharedPrefix, "plan",
-                        lambda self, dtype: plans.append(len(self.source)) or real_plan(self, dtype))
+    plans = []  # batch size of each cascade step, on the path under test
+    if kernel:
+        real_attention = decode_step.decode_attention
+        monkeypatch.setattr(decode_step, "decode_attention", lambda q, *a, shared=None, **k: (
+            shared is not None and plans.append(len(q))) or real_attention(q, *a, shared=shared, **k))
+    else:
+        monkeypatch.setenv("RAGEN_CPU_ATTENTION", "0")
+        monkeypatch.setattr(cpu_attention, "_op", functools.cache(cpu_attention._op.__wrapped__))  # None here
+        real_plan = decode_step.SharedPrefix.plan
+        monkeypatch.setattr(decode_step.SharedPrefix, "plan",
+                            lambda self, dtype: plans.append(len(self.source)) or real_plan(self, dtype))
     groups = [[5, 9, 13, 2, 7, 30, 12, 3], [11, 4], [8, 8, 8, 1, 40]]
     prompts = [p for p in groups for _ in range(4)]
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=3, stop_token_ids=tuple(range(40, 130)))
