@@ -64,6 +64,7 @@ class SharedPrefix:
     """[B] long: the prompt (index into U) of each batch slot."""
     _plan: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
     _additive: torch.Tensor | None = None
+    _keys_t: list[torch.Tensor] | None = None
 
     @property
     def width(self) -> int:
@@ -74,6 +75,14 @@ class SharedPrefix:
         if self._additive is None or self._additive.dtype != dtype:
             self._additive = _additive(self.mask, dtype)
         return self._additive
+
+    def keys_t(self, layer: int) -> torch.Tensor:
+        """[U, nkv, d, width] the layer's keys transposed, as the fused kernel scores them (cpu_attention.Shared);
+        left padding zeroed. Made for every layer at the first call (the keys do not change while decoding)."""
+        if self._keys_t is None:
+            pad = (self.mask == 0)[:, None, None, :]
+            self._keys_t = [k.transpose(2, 3).contiguous().masked_fill_(pad, 0.0) for k, _ in self.layers]
+        return self._keys_t[layer]
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only the batch slots ``keep`` ([K] long), as the batch cache does."""
@@ -266,9 +275,8 @@ class LlamaDecodeStep:
             q = q.reshape(b, nkv, nh // nkv, d)
             if prefix is not None:
                 # one kernel call: each row's softmax over its group's shared columns, then its own
-                pk, pv = prefix.layers[i]
-                fused = decode_attention(q, keys, values, own_mask, self.scale,
-                                         shared=Shared(pk, pv, shared_mask, prefix.source))
+                shared = Shared(prefix.keys_t(i), prefix.layers[i][1], shared_mask, prefix.source)
+                fused = decode_attention(q, keys, values, own_mask, self.scale, shared=shared)
                 a = fused[0] if fused is not None else self._cascade(q, keys, values, prefix, i, own_mask)
             elif (fused := decode_attention(q, keys, values, additive, self.scale)) is not None:
                 a = fused[0]  # [B, nkv, nh // nkv, d]: the fused kernel of cpu_attention.py

@@ -67,14 +67,15 @@ def test_a_row_with_no_real_column_gets_zero_output_and_minus_infinity_lse():
 
 
 @needs_compiler
-@pytest.mark.parametrize(("group", "head"), [(3, 64), (1, 32), (8, 128)])
-def test_shared_columns_then_own_columns_in_one_softmax(group, head):
+@pytest.mark.parametrize(("group", "head", "p"), [(3, 64, 13), (3, 64, 75), (1, 32, 64), (8, 128, 40)])
+def test_shared_columns_then_own_columns_in_one_softmax(group, head, p):
     """Cascade attention in one call: row b attends to its group's shared columns (left-padded, as a prompt
     group's prefill makes them) and then to its own (views with room after them, one row with none real, as a
     finished row has). Equal to attention over each row's shared and own columns concatenated (float64
-    reference, 1e-5), rows of a group in any order and groups of any size."""
-    gen = torch.Generator().manual_seed(group + head)
-    b, h, p, w, room = 7, 2, 13, 6, 4
+    reference, 1e-5), rows of a group in any order and groups of any size; shared widths below one block of
+    keys (32), whole blocks, and whole blocks with a part left."""
+    gen = torch.Generator().manual_seed(group + head + p)
+    b, h, w, room = 7, 2, 6, 4
     groups = torch.tensor([2, 0, 2, 2, 0, 1, 2])  # uneven, interleaved
     q = torch.randn(b, h, group, head, generator=gen)
     sk = torch.randn(3, h, p + room, head, generator=gen)[:, :, :p]
@@ -86,7 +87,8 @@ def test_shared_columns_then_own_columns_in_one_softmax(group, head):
     mask = torch.zeros(b, w)
     mask[3] = float("-inf")  # a finished row: no own column
     mask[4, :2] = float("-inf")
-    got = decode_attention(q, k, v, mask, head**-0.5, shared=Shared(sk, sv, shared_mask, groups))
+    got = decode_attention(q, k, v, mask, head**-0.5, shared=Shared(sk.transpose(2, 3).contiguous(), sv, shared_mask,
+                                                                   groups))
     assert got is not None
     whole_k, whole_v = torch.cat([sk[groups], k], 2), torch.cat([sv[groups], v], 2)
     want, want_lse = _reference(q, whole_k, whole_v, torch.cat([shared_mask[groups], mask], 1), head**-0.5)
@@ -98,7 +100,7 @@ def test_shared_columns_then_own_columns_in_one_softmax(group, head):
 def test_bad_shared_columns_get_a_clear_error():
     """A group index out of range, or part of the shared arguments only: an error that names the problem."""
     q, k, v, mask = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 4, 64), torch.randn(2, 1, 4, 64), torch.zeros(2, 4)
-    sk, sv, sm = torch.randn(2, 1, 5, 64), torch.randn(2, 1, 5, 64), torch.zeros(2, 5)
+    sk, sv, sm = torch.randn(2, 1, 64, 5), torch.randn(2, 1, 5, 64), torch.zeros(2, 5)  # keys transposed
     with pytest.raises(RuntimeError, match="source must index the shared groups"):
         decode_attention(q, k, v, mask, 0.1, shared=Shared(sk, sv, sm, torch.tensor([0, 2])))
     with pytest.raises(RuntimeError, match="shared shapes do not match"):
