@@ -164,7 +164,8 @@ def run_rollouts(
                 params = SamplingParams(temperature=temp, top_p=rollout_cfg.top_p,
                                         max_new_tokens=rollout_cfg.max_new_tokens,
                                         stop_token_ids=renderer.stop_token_ids, seed=_turn_seed(sampling_seed, turn),
-                                        streams=tuple(ep.group_id * n_per_group + ep.member for ep, _ in rows))
+                                        streams=tuple(ep.group_id * n_per_group + ep.member for ep, _ in rows),
+                                        last_turn=turn == rollout_cfg.max_turns - 1)
                 gens = generator.generate([ctx.input_ids for _, ctx in rows], params,
                                           session_ids=[ep.session for ep, _ in rows])
                 for (ep, _), gen in zip(rows, gens, strict=True):

@@ -48,6 +48,9 @@ class SamplingParams:
     """The stream of each row (one per prompt; default: the row's index). The rollout loop passes each episode's
     global index, so an episode samples the same tokens whichever other episodes share the call: the ones still
     live, or only this process's share of the groups in a multi-process run."""
+    last_turn: bool = False
+    """No session of this call has a next turn (the rollout loop's last allowed turn): a backend that keeps each
+    row's cache for its session's next call (hf) keeps none. Reuse of caches kept before still applies."""
 
     def stream(self, row: int) -> int:
         """The random stream of row ``row`` (its index unless ``streams`` says otherwise)."""

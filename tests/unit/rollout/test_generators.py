@@ -6,6 +6,7 @@ The default-model versions of the cache-reuse checks are in test_generators_defa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -263,6 +264,24 @@ def test_cache_reuse_matches_full_reprefill_over_three_turns(tiny):
     assert reuse.cached_sessions == 3
     reuse.end_sessions(["ep0", "ep1", "ep2", "unknown"])
     assert reuse.cached_sessions == 0
+
+
+def test_a_last_turn_keeps_no_cache_and_still_reuses_the_kept_ones(tiny):
+    """SamplingParams.last_turn (the rollout loop's last allowed turn): the call reuses the caches its sessions
+    kept, samples what it would otherwise, and keeps none for a next turn (copying them out is wasted work)."""
+    model, tokenizer = tiny
+    gen, other = HFGenerator(model, tokenizer), HFGenerator(model, tokenizer)
+    contexts, sessions = _prompts(tokenizer, TEXTS), ["ep0", "ep1", "ep2"]
+    first = SamplingParams(temperature=1.0, max_new_tokens=5, seed=1)
+    out = gen.generate(contexts, first, session_ids=sessions)
+    assert other.generate(contexts, first, session_ids=sessions) == out
+    assert gen.cached_sessions == 3
+    longer = [c + list(g.token_ids) + [7, 8, 9] for c, g in zip(contexts, out, strict=True)]
+    last = dataclasses.replace(first, seed=2, last_turn=True)
+    got = gen.generate(longer, last, session_ids=sessions)
+    assert gen.stats["reused_tokens"] > 0 and gen.cached_sessions == 0
+    want = other.generate(longer, dataclasses.replace(last, last_turn=False), session_ids=sessions)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want] and other.cached_sessions == 3
 
 
 def test_cache_reuse_logprobs_equal_a_full_prefill_by_teacher_forcing(tiny):

@@ -160,6 +160,7 @@ def test_lock_step_generation_and_sessions(tok: PreTrainedTokenizerBase) -> None
     assert {p.temperature for p in params} == {0.7}
     assert all(p.stop_token_ids == ChatRenderer(tok, RolloutConfig().system_prompt).stop_token_ids for p in params)
     assert len({p.seed for p in params}) == 5 and all(p.seed is not None for p in params)
+    assert [p.last_turn for p in params] == [False] * 4 + [True]  # max_turns 5: no session outlives the fifth
     # each context is the previous context + the sampled ids + the new prompt delta (prefix growth)
     t = trajs[1]
     for k in range(1, 5):
