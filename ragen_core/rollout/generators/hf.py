@@ -267,8 +267,9 @@ class HFGenerator:
         self._stats["prefill_seconds"] += t1 - t0
         self._stats["reused_tokens"] += sum(r.reused for r in rows)
         self._stats["calls"] += 1
-        keeps = session_ids is not None and self.cache_reuse and not params.last_turn
-        keep = self._keeper(rows, session_ids) if keeps and session_ids is not None else None
+        keep = None  # no session has a next turn after a last one: nothing to keep for it
+        if session_ids is not None and self.cache_reuse and not params.last_turn:
+            keep = self._keeper(rows, session_ids)
         values = self._values if self._records_values() else None
         out = _decode(self.model, batch, rows, params, self.pad_token_id, self.shrink_below, keep, self._step, values)
         self._stats["decode_seconds"] += time.perf_counter() - t1
