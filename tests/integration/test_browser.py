@@ -188,14 +188,26 @@ def test_mlflow_chart_view_compares_both_runs_first(chrome: Any, studied: Studie
     # the comparison section is the first the view shows: before the 14 actor/* charts and all the others
     assert text.index("0_compare") < text.index("actor\n")
     assert text.index("0_compare/4_grad_norm") < text.index("collapse/first_turn")
+    # every comparison chart is drawn: a plot whose lines come in two colours, one per run. The legends show
+    # before plotly has drawn every line (a CI run once saw one colour per chart right after them), so the
+    # charts get the same 60 s the text gets
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
 
-    # every comparison chart is drawn: a plot whose lines come in two colours, one per run
-    plots = chrome.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")
-    assert len(plots) >= 4
-    colours = [{line.value_of_css_property("stroke") for line in plot.find_elements(By.CSS_SELECTOR, "path.js-line")}
-               for plot in plots[:4]]
-    assert [len(c) for c in colours] == [2, 2, 2, 2], colours
+    def colours() -> list[set[str]]:
+        try:
+            plots = chrome.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")[:4]
+            return [{line.value_of_css_property("stroke") for line in plot.find_elements(By.CSS_SELECTOR,
+                                                                                           "path.js-line")}
+                    for plot in plots]
+        except WebDriverException:  # a plot redrawn while read
+            return []
+
+    deadline, drawn = time.monotonic() + 60, colours()
+    while [len(c) for c in drawn] != [2, 2, 2, 2] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        drawn = colours()
+    assert [len(c) for c in drawn] == [2, 2, 2, 2], drawn
     screenshot(chrome, tmp_path, "mlflow-compare")
 
 
