@@ -366,11 +366,20 @@ QUIET_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_
                   "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
+# The commands that start processes (a temporary Prefect server, ranks, workers, engines, a compiler): whatever
+# ends them, a reaper ends what they started (flows/reaper.py).
+STARTS_PROCESSES = {"train", "train-rank", "eval", "sweep", "study", "sweep-worker", "compare", "model", "demo"}
+
+
 def main() -> None:
     """The `ragen` command. A configuration problem exits 2 (the commands check first); an error while running
     is one line on stderr and exit 1, its traceback only with RAGEN_DEBUG=1; Ctrl-C exits 130."""
     for key, value in QUIET_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if len(sys.argv) > 1 and sys.argv[1] in STARTS_PROCESSES and "--help" not in sys.argv:
+        from flows import reaper
+
+        reaper.start()
     try:
         app(prog_name="ragen")
     except KeyboardInterrupt:

@@ -11,9 +11,13 @@ config). Then:
 - every Parquet shard reads and holds every group of its iteration once;
 - MLflow holds one run, and each metric exactly one point per step.
 
-3 kills in the default suite, 10 in the slow one (``make test-slow``); the seed is in the test id, so a
-failure reproduces with the same kill schedule. The subprocesses report to the session's Prefect test
-server (PREFECT_API_URL), so no process starts its own.
+After every kill nothing the run started may still run (flows/reaper.py): each run's environment carries a
+mark of the test's, inherited by every process it starts, and the test waits until no live process carries it.
+
+3 kills in the quick tests, 10 in the slow one; the seed is in the test id, so a failure reproduces with the
+same kill schedule. The subprocesses report to the session's Prefect test server (PREFECT_API_URL), so no
+process starts its own; ``test_a_run_killed_by_any_signal_leaves_no_process_running`` kills runs in Prefect's
+ephemeral mode instead, where each run starts a temporary API server of its own.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -39,6 +45,9 @@ SMOKE = "experiments/smoke.yaml"
 SETTINGS = ["--set", "trainer.checkpoint_every=1", "--set", "eval.every=3"]
 
 
+MARK = "RAGEN_TEST_CHAOS_MARK"  # set on each run the test starts; every process of the run inherits it
+
+
 def _env(data_dir: Path) -> dict[str, str]:
     from prefect.settings import get_current_settings
 
@@ -48,11 +57,30 @@ def _env(data_dir: Path) -> dict[str, str]:
     return env
 
 
-def _start(args: list[str], data_dir: Path, log: Path, iterations: int) -> subprocess.Popen[bytes]:
+def _start(args: list[str], data_dir: Path, log: Path, iterations: int, mark: str = "",
+           env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``ragen train`` on the smoke experiment, its environment carrying ``mark`` under MARK."""
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", SMOKE, *SETTINGS,
                                  "--set", f"trainer.iterations={iterations}", *args], cwd=REPO,
-                                env=_env(data_dir), stdout=out, stderr=subprocess.STDOUT)
+                                env={**(env or _env(data_dir)), MARK: mark}, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _left_behind(mark: str, wait_s: float = 30.0) -> list[str]:
+    """The command lines of live processes that still carry ``mark`` after up to ``wait_s`` (the reaper's
+    grace included); empty when none is left."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(MARK) == mark:
+                    left.append(" ".join(p.cmdline())[:200])
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _rows(run: Path) -> int:
@@ -81,7 +109,8 @@ def test_sigkill_anywhere_then_resume_ends_bit_identical(data_dir, tmp_path: Pat
     done, schedule = 0, []
     while True:
         resume = (run / "config.yaml").exists()
-        proc = _start(["--resume", "chaos"] if resume else ["--run-name", "chaos"], data_dir, log, iterations)
+        mark = uuid.uuid4().hex
+        proc = _start(["--resume", "chaos"] if resume else ["--run-name", "chaos"], data_dir, log, iterations, mark)
         if done >= kills:
             assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
             break
@@ -99,6 +128,7 @@ def test_sigkill_anywhere_then_resume_ends_bit_identical(data_dir, tmp_path: Pat
             proc.wait()
             done += 1
             schedule.append((target, round(delay, 3)))
+            assert _left_behind(mark) == [], f"kill {done} left processes running (kills so far {schedule})"
         elif proc.returncode != 0:
             pytest.fail(f"a resumed run failed (kills so far {schedule}):\n{log.read_text()[-4000:]}")
         else:  # it finished before the kill: run it again from scratch under a new name would change nothing
@@ -126,3 +156,23 @@ def test_sigkill_anywhere_then_resume_ends_bit_identical(data_dir, tmp_path: Pat
         assert len(steps) == len(set(steps)), (key, sorted(steps), schedule)
     grad_steps = sorted(m.step for m in client.get_metric_history(chaos.info.run_id, "actor/grad_norm"))
     assert grad_steps == list(range(iterations))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=lambda s: signal.Signals(s).name)
+def test_a_run_killed_by_any_signal_leaves_no_process_running(data_dir, tmp_path: Path, sig: int) -> None:
+    """In Prefect's ephemeral mode `ragen train` starts a temporary API server as a child: killed while that
+    server runs (any signal, SIGKILL included), the run leaves no process of its own behind."""
+    env = {k: v for k, v in _env(data_dir).items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")  # the temporary server's database, not the user's
+    mark, log = uuid.uuid4().hex, tmp_path / "train.log"
+    proc = _start(["--run-name", "killed"], data_dir, log, 100, mark, env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and \
+            not any("uvicorn" in line for line in _left_behind(mark, wait_s=0)):
+        time.sleep(0.2)
+    running = _left_behind(mark, wait_s=0)
+    assert proc.poll() is None and any("uvicorn" in line for line in running), (running, log.read_text()[-3000:])
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert _left_behind(mark) == [], f"left running after {signal.Signals(sig).name}: {log.read_text()[-3000:]}"
