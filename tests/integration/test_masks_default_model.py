@@ -46,9 +46,14 @@ def test_scripted_replies_masks_are_exact(tok: PreTrainedTokenizerBase, env: str
         mask, tids, ids = batch.loss_mask[b], batch.turn_ids[b], batch.input_ids[b]
         for k, turn in enumerate(t.turns):
             text = tok.decode(ids[mask & (tids == k)].tolist())
-            # decoding the masked tokens gives back exactly the reply (+ <|im_end|> when it was sampled)
-            assert text == (turn.response_text + "<|im_end|>" if turn.finish_reason == "stop" else turn.response_text)
-            assert turn.response_text in REPLIES or turn.finish_reason == "length"
+            # decoding the masked tokens gives back exactly the reply after the prefilled tag (part of the
+            # prompt, SPEC §3), plus <|im_end|> when it was sampled
+            prefill = t.meta["prefill"]
+            assert prefill == "<think>" and turn.response_text.startswith(prefill)
+            reply = turn.response_text.removeprefix(prefill)
+            assert text == (reply + "<|im_end|>" if turn.finish_reason == "stop" else reply)
+            # a scripted reply that starts with the prefilled tag continues after it (scripted.py)
+            assert reply in [r.removeprefix(prefill) for r in REPLIES] or turn.finish_reason == "length"
         masked = tok.decode(ids[mask].tolist())
         assert "State:" not in masked and "<|im_start|>" not in masked
         # the row is the template's own rendering of the dialogue, token for token
