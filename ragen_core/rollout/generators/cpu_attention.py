@@ -24,12 +24,20 @@ kernel's own part by log-sum-exps. A group's keys are read once per row, but fro
 
 No library offers this for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
 paged layout, torch's flash kernel is the one measured above. The source below is compiled at first use by
-``torch.utils.cpp_extension.load_inline`` (gcc and ninja, about 25 s; cached under torch's extensions
-directory afterwards) for the vector instructions torch itself uses on this CPU (AVX512 or AVX2: torch's own
-flags for them, not ``-march=native``, so that a cache shared by several machines never hands one a kernel
-with instructions it lacks). Without a compiler, or where the build fails, or for a
-shape not instantiated (head sizes 32/64/128, up to 8 query rows per key/value head), :func:`decode_attention`
-returns None and the caller uses ``scaled_dot_product_attention``; ``RAGEN_CPU_ATTENTION=0`` turns it off.
+``torch.utils.cpp_extension.load_inline`` (``$CXX``, else ``c++``, and ninja: about 25 s, announced by one line
+on stderr that says what it builds and how it ended) for the vector instructions torch itself uses on this CPU
+(AVX512 or AVX2: torch's own flags for them, not ``-march=native``, so that a build directory shared by several
+machines never hands one a kernel with instructions it lacks). The build lives inside the Python environment
+that made it (:func:`build_root`), so two virtual environments never rebuild each other's kernel.
+
+A build can never leave a later run waiting: torch guards each build directory with a lock file that has no
+owner and waits for it forever, so a process killed while holding it (Ctrl-C during a first rollout, a lost
+machine) would hang every later load. Here a process first takes its own lock on the directory, which the
+operating system releases when its holder dies, for at most ``LOCK_TIMEOUT_S``; a torch lock file found then
+can only belong to a dead process and is removed. Without a compiler, where the build fails or the lock is not
+had in time, or for a shape not instantiated (head sizes 32/64/128, up to 8 query rows per key/value head),
+:func:`decode_attention` returns None and the caller uses ``scaled_dot_product_attention``;
+``RAGEN_CPU_ATTENTION=0`` turns it off.
 
 Run the tests: ``python -m pytest tests/unit/rollout/test_cpu_attention.py -q``.
 """
@@ -37,17 +45,27 @@ Run the tests: ``python -m pytest tests/unit/rollout/test_cpu_attention.py -q``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 
-__all__ = ["Shared", "decode_attention", "kernel_available"]
+__all__ = ["Shared", "build_root", "compiler", "decode_attention", "kernel_available"]
 
 log = logging.getLogger(__name__)
+
+LOCK_TIMEOUT_S = 600.0
+"""How long a process waits for another one's build of the same kernel (one takes about 25 s on two cores)
+before it decodes with torch's attention instead."""
 
 HEAD_SIZES = (32, 64, 128)
 MAX_GROUP = 8
@@ -359,28 +377,98 @@ def _capability_flags(capability: str) -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-@functools.cache
-def _op() -> Any | None:
-    """The compiled op (built at the first call in this process, from torch's cache when built before), or None."""
-    if os.environ.get("RAGEN_CPU_ATTENTION", "1") == "0":
-        return None
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        log.warning("no C++ compiler: decode attention stays on torch's flash kernel (cpu_attention.py)")
-        return None
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder runs (``$CXX``, else ``c++``) as a path, or None where absent."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def build_root() -> Path:
+    """Where this Python environment keeps its kernel builds: ``$RAGEN_KERNEL_DIR``, else a folder inside the
+    environment (``sys.prefix``), else, where that is not writable, one named after it in the user's cache."""
+    if os.environ.get("RAGEN_KERNEL_DIR"):
+        return Path(os.environ["RAGEN_KERNEL_DIR"])
+    versions = f"torch-{torch.__version__}-{sys.implementation.cache_tag}"
+    inside = Path(sys.prefix) / "var" / "ragen-kernels" / versions
+    existing = next(p for p in inside.parents if p.exists())
+    if os.access(existing, os.W_OK):
+        return inside
+    owner = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "ragen" / "kernels" / f"{owner}-{versions}"
+
+
+def _announce(text: str, end: str = "") -> None:
+    print(text, end=end, file=sys.stderr, flush=True)
+
+
+def _first_errors(err: BaseException) -> str:
+    """The compiler's ``error:`` lines of a failed build (else its message's first line), one line of <= 300."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    return " | ".join([line for line in lines if "error:" in line] or lines[:1])[:300]
+
+
+def _build(directory: Path, name: str, flags: list[str]) -> None:
+    """Compile and load the op (ninja skips what is up to date) under this process's lock on ``directory``; say
+    so on one line when it compiles, and on one line when it fails. Raises Timeout, or the build's error."""
     from torch.utils.cpp_extension import load_inline
 
-    capability = _capability()
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = directory / "ragen-build.sha256"
+    recipe = hashlib.sha256("\0".join([_SOURCE, *flags, torch.__version__]).encode()).hexdigest()
+    with FileLock(directory / "ragen.lock", timeout=LOCK_TIMEOUT_S):
+        # torch's own lock: held by nobody alive while we hold ours (every loader of this folder takes ours first)
+        (directory / "lock").unlink(missing_ok=True)
+        built = stamp.exists() and stamp.read_text() == recipe and (directory / f"{name}.so").exists()
+        if not built:
+            _announce(f"ragen: compiling the CPU decode attention kernel ({name}, {compiler()}) in {directory} ...")
+        started = time.monotonic()
+        try:
+            load_inline(name, cpp_sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory), is_python_module=False, verbose=False)
+        except BaseException as err:
+            why = f"({_first_errors(err)}); decode attention uses torch's flash kernel"
+            if built:
+                _announce(f"ragen: loading the CPU decode attention kernel from {directory} failed {why}", end="\n")
+            else:
+                _announce(f" failed after {time.monotonic() - started:.0f} s {why}", end="\n")
+            raise
+        if not built:
+            with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:
+                f.write(recipe)
+            os.replace(f.name, stamp)
+            _announce(f" built in {time.monotonic() - started:.0f} s", end="\n")
+
+
+def _loaded() -> Any | None:
+    """The op, where a build of it is loaded in this process already."""
     try:
-        load_inline(
-            f"ragen_cpu_attention_{capability.lower()}",  # one build per capability in a shared extension cache
-            cpp_sources=[_SOURCE],
-            extra_cflags=["-O3", "-fopenmp", *_capability_flags(capability)],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError) as err:  # no ninja, a compiler error: the flash kernel still works
-        log.warning("building the CPU decode attention kernel failed, using torch's flash kernel: %s", err)
+        return torch.ops.ragen_cpu_attention.decode_attention
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def _op() -> Any | None:
+    """The compiled op (built at the first call in this process, loaded from :func:`build_root` when built
+    before), or None."""
+    if os.environ.get("RAGEN_CPU_ATTENTION", "1") == "0":
+        return None
+    if compiler() is None:
+        log.warning("no C++ compiler (%s): decode attention stays on torch's flash kernel (cpu_attention.py)",
+                    os.environ.get("CXX", "c++"))
+        return None
+    loaded = _loaded()
+    if loaded is not None:  # a library registers its ops once per process: never load a second build
+        return loaded
+    capability = _capability()
+    name = f"ragen_cpu_attention_{capability.lower()}"  # one build per capability in a shared build root
+    try:
+        _build(build_root() / name, name, ["-O3", "-fopenmp", *_capability_flags(capability)])
+    except Timeout:
+        log.warning("another process has been building the CPU decode attention kernel for over %.0f s: decode "
+                    "attention uses torch's flash kernel in this one", LOCK_TIMEOUT_S)
+        return None
+    except Exception:  # noqa: BLE001 (no ninja, a compiler error, a broken compiler: said by _build; SDPA works)
         return None
     return torch.ops.ragen_cpu_attention.decode_attention
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-import shutil
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.conftest import require
 
 from ragen_core.rollout.generators import cpu_attention
 from ragen_core.rollout.generators.cpu_attention import Shared, decode_attention
 
-needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
+
+@pytest.fixture()
+def needs_compiler() -> None:
+    """The kernel's compiler ($CXX, else c++): missing, the test skips, and fails under CI=true."""
+    cxx = os.environ.get("CXX", "c++")
+    require(cpu_attention.compiler() is not None, f"no C++ compiler ({cxx}) to build the kernel")
 
 
 def _reference(q, k, v, mask, scale):
@@ -21,13 +27,13 @@ def _reference(q, k, v, mask, scale):
     return torch.einsum("bhgw,bhwd->bhgd", (s - lse[..., None]).exp(), v.double()), lse
 
 
-@needs_compiler
+@pytest.mark.usefixtures("needs_compiler")
 def test_the_kernel_builds_here():
     """Where a compiler is, the kernel must build (a silent fallback would hide a broken source)."""
     assert cpu_attention.kernel_available()
 
 
-@needs_compiler
+@pytest.mark.usefixtures("needs_compiler")
 @pytest.mark.parametrize(("group", "head"), [(1, 32), (2, 32), (3, 64), (4, 64), (7, 64), (8, 128)])
 def test_matches_attention_over_padded_strided_caches(group, head):
     """Left padding, holes, cache views with room after them (as kv.growing_cache makes), every group size
@@ -55,7 +61,7 @@ def test_matches_attention_over_padded_strided_caches(group, head):
     assert (out - sdpa).abs().max() <= 1e-5
 
 
-@needs_compiler
+@pytest.mark.usefixtures("needs_compiler")
 def test_a_row_with_no_real_column_gets_zero_output_and_minus_infinity_lse():
     """A finished row under cascade attention may have all its own columns masked: its part then weighs 0
     in the merge (lse -inf), where torch's flash kernel reports lse 0."""
@@ -69,7 +75,7 @@ def test_a_row_with_no_real_column_gets_zero_output_and_minus_infinity_lse():
     assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
 
 
-@needs_compiler
+@pytest.mark.usefixtures("needs_compiler")
 @pytest.mark.parametrize(("group", "head", "p"), [(3, 64, 13), (3, 64, 75), (1, 32, 64), (8, 128, 40)])
 def test_shared_columns_then_own_columns_in_one_softmax(group, head, p):
     """Cascade attention in one call: row b attends to its group's shared columns (left-padded, as a prompt
@@ -99,7 +105,7 @@ def test_shared_columns_then_own_columns_in_one_softmax(group, head, p):
     assert (got[1].double() - want_lse).abs().max() <= 1e-5
 
 
-@needs_compiler
+@pytest.mark.usefixtures("needs_compiler")
 def test_bad_shared_columns_get_a_clear_error():
     """A group index out of range, or part of the shared arguments only: an error that names the problem."""
     q, k, v, mask = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 4, 64), torch.randn(2, 1, 4, 64), torch.zeros(2, 4)

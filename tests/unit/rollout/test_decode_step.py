@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from tests.conftest import require
 from trained_lora import with_trained_lora
 
 from ragen_core.models.tiny import tiny_random
@@ -157,8 +158,9 @@ def test_cascade_attention_over_shared_prompts_samples_what_model_forward_sample
     through early stops, the batch shrinking and a second turn that reuses each row's kept cache."""
     from ragen_core.rollout.generators import cpu_attention, decode_step
 
-    if kernel and not cpu_attention.kernel_available():
-        pytest.skip("no C++ compiler to build the kernel")
+    if kernel:
+        require(cpu_attention.compiler() is not None, "no C++ compiler ($CXX, else c++) to build the kernel")
+        assert cpu_attention.kernel_available()
     model, tok = tiny_random(seed=4)
     if lora:
         model = with_trained_lora(model, ["q_proj", "k_proj", "v_proj"])

@@ -1,0 +1,41 @@
+"""What every test shares: the rule for a component a test needs but the machine lacks.
+
+Outside CI such a test skips with the reason; under CI (``CI`` is ``true`` or ``1``, as ``.ci/run`` sets it) it
+fails with the reason, so a missing install step (chromium, PostgreSQL, a C++ compiler, vLLM) can never turn
+into a quiet skip. GPU-only tests are not covered by this rule: CI has no GPU, and they skip there too.
+
+    from tests.conftest import require, require_module
+    require(shutil.which("chromium") is not None, "needs Debian's chromium (apt-get install chromium)")
+    deepspeed = require_module("deepspeed", "the DeepSpeed engine needs deepspeed (in locks/cpu.txt)")
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+
+
+def in_ci() -> bool:
+    """Whether this run is CI's (``CI=true`` or ``CI=1``)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def require(available: bool, reason: str) -> None:
+    """Go on when ``available``; else skip with ``reason``, or fail with it under CI."""
+    if available:
+        return
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: a missing component fails the test)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_module(name: str, reason: str) -> ModuleType:
+    """``import name``, as :func:`require` treats a module that does not import."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        require(False, f"{reason} ({err})")
+        raise  # unreachable: require skipped or failed
