@@ -25,6 +25,7 @@ def in_ci() -> bool:
 
 def require(available: bool, reason: str) -> None:
     """Go on when ``available``; else skip with ``reason``, or fail with it under CI."""
+    __tracebackhide__ = True  # pytest reports the skip at the caller's line, not at this helper's
     if available:
         return
     if in_ci():
@@ -34,6 +35,7 @@ def require(available: bool, reason: str) -> None:
 
 def require_module(name: str, reason: str) -> ModuleType:
     """``import name``, as :func:`require` treats a module that does not import."""
+    __tracebackhide__ = True
     try:
         return importlib.import_module(name)
     except ImportError as err:
