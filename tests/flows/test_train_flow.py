@@ -28,6 +28,7 @@ from ragen_core import session
 from ragen_core.config import load_experiment
 from ragen_core.store import read_run
 from ragen_core.tracking.model_registry import load_logged_model
+from tests.conftest import require_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "experiments" / "smoke.yaml")
@@ -56,7 +57,7 @@ def smoke_run(tmp_path_factory):
     mp.undo()
 
 
-def test_iterations_ran_and_are_recorded(smoke_run) -> None:
+def test_two_iterations_leave_history_rows_a_checkpoint_and_the_final_model(smoke_run) -> None:
     _, result = smoke_run
     assert result.iterations == 2 and result.run_name == "smoke-a"
     run_dir = Path(result.run_dir)
@@ -161,7 +162,7 @@ def test_final_model_loads_back_and_registers(smoke_run) -> None:
     assert bad.exit_code == 2 and "no MLflow run" in bad.output
 
 
-def test_shards_are_readable(smoke_run) -> None:
+def test_shards_hold_every_trajectory_and_mark_the_kept_group(smoke_run) -> None:
     _, result = smoke_run
     df = read_run(result.run_dir)
     # smoke: P=4 groups x N=2, StarPO-S keeps max(1, floor(0.25 * 4)) = 1 group = 2 trajectories
@@ -255,7 +256,7 @@ def test_resumed_run_matches_an_unbroken_one(data_dir) -> None:
 def test_zero3_run_resumes_and_matches_the_torch_backend(data_dir) -> None:
     """The whole flow under DeepSpeed ZeRO-3 (every weight partitioned, threshold 0): rollouts, update, eval,
     checkpoint, resume and the final model; it ends where the torch backend ends."""
-    pytest.importorskip("deepspeed")
+    require_module("deepspeed", "the deepspeed backend needs deepspeed (a dev dependency, in locks/cpu.txt)")
     zero3 = ["tracking.backend=none", "trainer.backend=deepspeed", "trainer.zero_stage=3",
              "trainer.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"]
     straight = train(experiment=SMOKE, run_name="torch", overrides=["tracking.backend=none"])

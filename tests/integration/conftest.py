@@ -11,7 +11,7 @@ and stopped (TERM, then KILL, descendants included) when the test is over, faile
 Fixtures: ``prefect_server`` (one per session, ~10-20 s to start, UI on), ``mlflow_server`` (one per
 test, its sqlite schema made before start-up so it starts in a few seconds), ``background``
 (other long-running children of a test, e.g. a `prefect worker`, stopped the same way), ``chrome``
-(Debian's headless chromium driven by selenium; the test is skipped where either is missing).
+(Debian's headless chromium driven by selenium; the test is skipped where one is missing, failed under CI).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Any
 
 import psutil
 import pytest
+
+from tests.conftest import require, require_module
 
 BIN = Path(sys.executable).parent  # the venv's console scripts (prefect, mlflow, ragen)
 REPO = Path(__file__).resolve().parents[2]
@@ -250,11 +252,12 @@ CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 def chrome() -> Iterator[Any]:
     """Headless Debian chromium through Debian's chromium-driver (selenium); no browser or driver download.
 
-    Skipped where chromium, chromium-driver or selenium is missing (`.ci/run` installs the Debian packages).
+    Skipped where chromium, chromium-driver or selenium is missing, failed under CI (tests/conftest.py; `.ci/run`
+    installs the Debian packages).
     """
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-    webdriver = pytest.importorskip("selenium.webdriver")
+    require(CHROMIUM is not None and CHROMEDRIVER is not None,
+            "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    webdriver = require_module("selenium.webdriver", "drives chromium through selenium (a dev dependency)")
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()

@@ -2,7 +2,8 @@
 processes complete the study with every grid point run exactly once.
 
 The server is Debian's (`apt-get install -y postgresql`): the test finds initdb/pg_ctl under
-/usr/lib/postgresql/*/bin and skips with the reason when they are missing. It makes a cluster in
+/usr/lib/postgresql/*/bin and skips with the reason when they are missing (fails with it under CI,
+tests/conftest.py; `.ci/run` installs the package). It makes a cluster in
 a temporary directory, starts it on 127.0.0.1 on a free port (as the `postgres` user when run as
 root: the server refuses root), and stops it at the end.
 """
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import optuna
 import pytest
+
+from tests.conftest import require
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +55,10 @@ def as_server_user(cmd: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
     bin_dir = pg_bin()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin); apt-get install -y postgresql")
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
-        pytest.skip("running as root without runuser: cannot start PostgreSQL as another user")
+    require(bin_dir is not None,
+            "PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin); apt-get install -y postgresql")
+    require(os.geteuid() != 0 or shutil.which("runuser") is not None,
+            "running as root without runuser: cannot start PostgreSQL as another user")
     root = Path(tempfile.mkdtemp(prefix="ragen-pg-"))
     data = root / "data"
     if os.geteuid() == 0:
@@ -97,7 +100,7 @@ def ragen_sweep(sweep_file: Path, tmp_path: Path, *args: str, timeout: float = 9
                           check=False)
 
 
-def test_two_workers_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
+def test_two_workers_on_postgresql_run_each_grid_point_once(postgres_url: str, tmp_path: Path) -> None:
     path = tmp_path / "pg.yaml"
     path.write_text(f"name: pg-sweep\nbase: {SMOKE}\noverrides: {FAST}\nknobs: {{responses_per_prompt: [1, 2, 4]}}\n"
                     f"pruner: none\nheartbeat_seconds: 20\nstorage: {postgres_url}\n")

@@ -27,6 +27,7 @@ import torch
 from ragen_core import config, models
 from ragen_core.models import DEFAULT_MODEL, ModelError, cache, tiny
 from ragen_core.models import gguf as gguf_source
+from tests.conftest import require_module
 
 # --------------------------------------------------------------------------- helpers
 
@@ -210,7 +211,7 @@ def test_tiny_random_same_in_a_subprocess() -> None:
 def test_saving_a_cpu_model_prints_no_deepspeed_accelerator_warning(tmp_path: Path) -> None:
     # accelerate imports DeepSpeed (when installed) inside save_pretrained; without DS_ACCELERATOR
     # DeepSpeed warned "Setting accelerator to CPU ... unable to detect it" in every torch-backend run.
-    pytest.importorskip("deepspeed")
+    require_module("deepspeed", "the check imports deepspeed (a dev dependency, in locks/cpu.txt)")
     code = ("import sys; from ragen_core import models; "
             "models.load_model('tiny-random:0').save_pretrained(sys.argv[1]); import deepspeed")
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
@@ -275,7 +276,7 @@ def test_tiny_chat_template_is_chatml() -> None:
     assert model.config.eos_token_id == model.generation_config.eos_token_id == im_end
 
 
-def test_load_model_and_tokenizer_tiny_in_process(data_root: Path) -> None:
+def test_loading_tiny_random_builds_it_in_process_and_writes_nothing(data_root: Path) -> None:
     model = models.load_model("tiny-random:3", dtype=torch.float64)
     ref, tok = models.tiny_random(3)
     assert model.dtype == torch.float64 and not model.training
@@ -287,7 +288,7 @@ def test_load_model_and_tokenizer_tiny_in_process(data_root: Path) -> None:
 # --------------------------------------------------------------------------- resolve tiny-random
 
 
-def test_resolve_tiny_random_round_trip(data_root: Path) -> None:
+def test_resolve_tiny_random_writes_once_a_dir_that_loads_back_as_the_same_model(data_root: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = models.resolve_model("tiny-random")
@@ -376,7 +377,7 @@ def test_check_model_dir_reports_why(tmp_path: Path) -> None:
     assert models.MARKER in models.check_model_dir(tmp_path / "m")
 
 
-def testsafetensors_problem_detects_truncation_and_trailing_bytes(tmp_path: Path) -> None:
+def test_safetensors_problem_detects_truncation_and_trailing_bytes(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     path = tmp_path / "w.safetensors"
@@ -556,7 +557,7 @@ def test_bad_specs_raise_clear_errors(data_root: Path, spec: str, message: str) 
         models.resolve_model(spec)
 
 
-def test_local_directory_spec(tmp_path: Path, data_root: Path) -> None:
+def test_a_local_directory_spec_loads_as_saved_and_needs_config_json(tmp_path: Path, data_root: Path) -> None:
     model, tok = models.tiny_random(4)
     saved = tmp_path / "my-model"
     model.save_pretrained(saved)
