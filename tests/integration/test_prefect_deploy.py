@@ -35,13 +35,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 
-DEPLOYMENTS = {  # deployment name -> (entrypoint, flow name)
+DEPLOYMENTS = {  # deployment name -> (entrypoint, flow name): what prefect.yaml must declare
     "ragen-train": ("flows/train.py:train", "ragen-train"),
     "ragen-train-trial": ("flows/train.py:train_trial", "ragen-train-trial"),
     "ragen-train-multi-gpu": ("flows/train.py:train", "ragen-train"),
     "ragen-evaluate": ("flows/evaluate.py:evaluate", "ragen-evaluate"),
     "ragen-sweep": ("flows/sweep.py:sweep", "ragen-sweep"),
 }
+
+
+def declared_deployments() -> dict[str, dict]:
+    """prefect.yaml's deployments, by name, as the file declares them."""
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    return {d["name"]: d for d in spec["deployments"]}
 
 
 def prefect_cli(server: PrefectServer, *args: str, timeout: float = 300,
@@ -60,11 +66,14 @@ def prefect_cli(server: PrefectServer, *args: str, timeout: float = 300,
     return out
 
 
-def test_prefect_yaml_declares_the_three_deployments_on_gpu_pool() -> None:
+def test_prefect_yaml_declares_every_deployment_on_gpu_pool_with_the_deployers_env() -> None:
+    """prefect.yaml declares exactly the deployments of DEPLOYMENTS, each with an entrypoint that exists, on
+    gpu-pool's default queue, one GPU per rank, and the data dir and MLflow URI left to the deployer's shell;
+    the checkout comes from the worker's RAGEN_HOME; the multi-GPU one runs DeepSpeed on several ranks."""
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
     assert spec["name"] == "ragen"
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $RAGEN_HOME }}"}}]
-    by_name = {d["name"]: d for d in spec["deployments"]}
+    by_name = declared_deployments()
     assert set(by_name) == set(DEPLOYMENTS)
     for name, (entrypoint, _) in DEPLOYMENTS.items():
         d = by_name[name]
@@ -81,8 +90,11 @@ def test_prefect_yaml_declares_the_three_deployments_on_gpu_pool() -> None:
     assert multi["nproc"] > 1 and "trainer.backend=deepspeed" in multi["overrides"]
 
 
-def test_deploy_all_worker_runs_train_deployment(prefect_server: PrefectServer, background: Background,
-                                                 tmp_path: Path) -> None:
+def test_deploy_all_registers_every_declared_deployment_and_a_worker_runs_ragen_train(
+        prefect_server: PrefectServer, background: Background, tmp_path: Path) -> None:
+    """`prefect deploy --all` registers every deployment prefect.yaml declares (and no other) with the deployer's
+    data dir and MLflow URI; a worker that knows neither runs ragen-train for one iteration, and the run lands
+    in those directories: one run dir, one MLflow run tagged with its flow run."""
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
@@ -96,9 +108,12 @@ def test_deploy_all_worker_runs_train_deployment(prefect_server: PrefectServer, 
     print(f"prefect deploy --all: {time.monotonic() - t0:.1f} s")
 
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}), get_client(sync_client=True) as client:
-        deployments = {name: client.read_deployment_by_name(f"{flow}/{name}")
-                       for name, (_, flow) in DEPLOYMENTS.items()}
+        deployments = {d.name: d for d in client.read_deployments()}
+        flow_names = {f.id: f.name for f in client.read_flows()}
+    # the names prefect.yaml declares, all of them; nothing else in this session deploys another name
+    assert sorted(deployments) == sorted(declared_deployments())
     for name, dep in deployments.items():
+        assert flow_names[dep.flow_id] == DEPLOYMENTS[name][1]
         assert dep.work_pool_name == "gpu-pool" and dep.entrypoint == DEPLOYMENTS[name][0]
         assert dep.job_variables["env"]["RAGEN_DATA_DIR"] == str(data_dir)  # read from the deployer's shell
         assert dep.job_variables["env"]["MLFLOW_TRACKING_URI"] == mlflow_uri
