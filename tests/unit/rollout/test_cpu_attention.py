@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.conftest import require
 
 from ragen_core.rollout.generators import cpu_attention
 from ragen_core.rollout.generators.cpu_attention import Shared, decode_attention
+from tests.conftest import require
 
 
 @pytest.fixture()

@@ -6,7 +6,6 @@ import functools
 
 import pytest
 import torch
-from tests.conftest import require
 from trained_lora import with_trained_lora
 
 from ragen_core.models.tiny import tiny_random
@@ -14,6 +13,7 @@ from ragen_core.rollout.generators.base import SamplingParams
 from ragen_core.rollout.generators.decode_step import decode_step_for
 from ragen_core.rollout.generators.hf import HFGenerator
 from ragen_core.rollout.generators.kv import cache_layers, growing_cache
+from tests.conftest import require
 
 
 def _prefilled(model, prompts: list[list[int]], pad: int = 0):
