@@ -39,7 +39,8 @@ had in time, or for a shape not instantiated (head sizes 32/64/128, up to 8 quer
 :func:`decode_attention` returns None and the caller uses ``scaled_dot_product_attention``;
 ``RAGEN_CPU_ATTENTION=0`` turns it off.
 
-Run the tests: ``python -m pytest tests/unit/rollout/test_cpu_attention.py -q``.
+Run the tests: ``python -m pytest tests/unit/rollout/test_cpu_attention.py
+tests/unit/rollout/test_cpu_attention_build.py -q``.
 """
 
 from __future__ import annotations
