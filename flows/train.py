@@ -1,4 +1,5 @@
-"""The training flow: per iteration (evaluate ->) rollout -> filter -> update -> record (-> checkpoint).
+"""The training flow: per iteration (evaluate ->) rollout -> filter -> update -> record (-> checkpoint), each step a
+Prefect task (tasks/train_steps.py) run by the one loop of ``ragen_core.session.run_to_end``.
 
     ragen train experiments/bandit-starpo-s.yaml --set trainer.iterations=20
     python -c "from flows.train import train; train('experiments/smoke.yaml')"
@@ -10,8 +11,8 @@ FAILED (an exception) or KILLED (Ctrl-C, SIGTERM: a cancelled flow run) as the f
 of prefect.yaml; ``train_trial`` (flow and deployment `ragen-train-trial`) is the same run as a sweep trial.
 
 Several processes (``nproc`` > 1, or under torchrun; trainer.backend deepspeed): this flow is rank 0, the
-only one that logs and writes; flows/ranks.py starts (or joins) the others, which run the same steps
-without Prefect (ragen_core/session.py says how the steps share the work).
+only one that logs and writes; flows/ranks.py starts (or joins) the others, which run the same loop
+with the plain steps, without Prefect (ragen_core/session.py says how the steps share the work).
 """
 
 from __future__ import annotations
@@ -104,32 +105,21 @@ def _train(cfg: ExperimentConfig, folder: RunDir, parent_run_id: str | None, tag
             ui.say(line)
             artifacts.say(line)
 
-        sess = session.open_session(cfg, logger, folder, say=say, progress=ui.progress)
-        run_url = getattr(logger, "run_url", None)
-        artifacts.link(run_url() if callable(run_url) else None, tracking_uri(cfg), logger.run_id)
-        while not sess.done:
-            val = steps.evaluate(sess) if session.eval_due(sess) else None  # the policy after `iteration` updates
-            if pruner and val:
-                pruner(sess, val)  # may set sess.stop_reason: keep this evaluation as the last one
-                if sess.done:
-                    session.record_final_eval(sess, val)
-                    break
-            rollouts = steps.rollout(sess)
-            diagnostics = steps.diagnose(sess, rollouts) if session.collapse_due(sess) else None
-            selection = steps.filter_groups(sess, rollouts)
-            stats = steps.update(sess, selection)
-            metrics = steps.record(sess, rollouts, selection, stats, val, diagnostics)
-            artifacts.iteration(sess.iteration, cfg.env.label, metrics)
-            if session.checkpoint_due(sess):
-                steps.checkpoint(sess)
-        if session.final_eval_due(sess):
-            val = steps.evaluate(sess)
-            session.record_final_eval(sess, val)
+        def final(sess: session.Session, val: dict[str, float]) -> None:
             artifacts.markdown("evaluation", "| metric | value |\n|---|---|\n" + "".join(
                 f"| {k} | {v:.4f} |\n" for k, v in sorted(val.items()) if k.startswith("val/")),
                 f"held-out evaluation after {sess.iteration} iterations")
             if pruner:
                 pruner(sess, val)
+
+        sess = session.open_session(cfg, logger, folder, say=say, progress=ui.progress)
+        run_url = getattr(logger, "run_url", None)
+        artifacts.link(run_url() if callable(run_url) else None, tracking_uri(cfg), logger.run_id)
+        hooks = session.Hooks(
+            after_eval=pruner,  # a pruned trial ends with this evaluation as its last
+            after_iteration=lambda s, metrics: artifacts.iteration(s.iteration, cfg.env.label, metrics),
+            after_final_eval=final)
+        session.run_to_end(sess, steps.STEPS, hooks)
     return session.finish(sess, tracking_uri(cfg))
 
 

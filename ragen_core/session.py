@@ -26,7 +26,8 @@ the same order, each with its own Session, and end where one process ends (:mod:
   logs (the others get a NullLogger); every rank still enters the collectives inside those steps (ZeRO
   gathers), and a stop is rank 0's decision, broadcast, so all ranks stop together.
 
-Rank 0 runs the flow; the others run :func:`follow_main` (the same steps as ``run_to_end``).
+Every rank runs the one loop, :func:`run_to_end`: rank 0 inside the flow, with the steps as Prefect tasks
+(tasks/train_steps.py) and the flow's hooks; the others in :func:`follow_main`, with the plain steps.
 """
 
 from __future__ import annotations
@@ -525,30 +526,87 @@ def record_final_eval(sess: Session, val: dict[str, float]) -> None:
              f"val success {val.get('val/success', float('nan')):.2f}")
 
 
-def run_iteration(sess: Session) -> dict[str, float]:
-    """(evaluate) -> rollout -> filter -> update -> record -> (checkpoint): the same steps as the flow."""
-    val = evaluate_policy(sess) if eval_due(sess) else None
-    rollouts = collect_rollouts(sess)
-    diagnostics = diagnose(sess, rollouts) if collapse_due(sess) else None  # the policy that sampled them
-    selection = tokenize_and_filter(sess, rollouts)
-    stats = update_policy(sess, selection)
-    metrics = record_iteration(sess, rollouts, selection, stats, val, diagnostics)
+@dataclass(frozen=True)
+class Steps:
+    """The steps :func:`run_to_end` chains: the plain functions of this module, or the same functions wrapped
+    as Prefect tasks (tasks/train_steps.py ``STEPS``), so the flow and every other rank run one loop."""
+
+    evaluate: Callable[[Session], dict[str, float]]
+    rollout: Callable[[Session], RolloutBatch]
+    diagnose: Callable[[Session, RolloutBatch], dict[str, float]]
+    filter: Callable[[Session, RolloutBatch], Selection]
+    update: Callable[[Session, Selection], UpdateStats]
+    record: Callable[[Session, RolloutBatch, Selection, UpdateStats, dict[str, float] | None, dict[str, float] | None],
+                     dict[str, float]]
+    checkpoint: Callable[[Session], Path]
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the caller of :func:`run_to_end` adds around the steps (rank 0 of the flow: the sweep trial's
+    reporter, the Prefect artifacts). Each gets the session and the step's result; none is called on other
+    ranks unless they pass it."""
+
+    after_eval: Callable[[Session, dict[str, float]], None] | None = None
+    """After each evaluation inside the loop; may end the run (``sess.stop_reason``), and that evaluation is then
+    recorded as the final one."""
+    after_iteration: Callable[[Session, dict[str, float]], None] | None = None
+    """After each recorded iteration, with its metrics."""
+    after_final_eval: Callable[[Session, dict[str, float]], None] | None = None
+    """After the final evaluation is recorded."""
+
+
+def run_iteration(sess: Session, steps: Steps | None = None) -> dict[str, float]:
+    """(evaluate) -> rollout -> filter -> update -> record -> (checkpoint): one iteration of :func:`run_to_end`."""
+    steps = steps or PLAIN_STEPS
+    return _iteration(sess, steps, steps.evaluate(sess) if eval_due(sess) else None)
+
+
+def _iteration(sess: Session, steps: Steps, val: dict[str, float] | None) -> dict[str, float]:
+    rollouts = steps.rollout(sess)
+    diagnostics = steps.diagnose(sess, rollouts) if collapse_due(sess) else None  # the policy that sampled them
+    selection = steps.filter(sess, rollouts)
+    stats = steps.update(sess, selection)
+    metrics = steps.record(sess, rollouts, selection, stats, val, diagnostics)
     if checkpoint_due(sess):
-        save_run_checkpoint(sess)
+        steps.checkpoint(sess)
     return metrics
 
 
-def run_to_end(sess: Session) -> None:
-    """All remaining iterations, then the final evaluation (what `ragen train` does, without Prefect)."""
+def run_to_end(sess: Session, steps: Steps | None = None, hooks: Hooks | None = None) -> None:
+    """All remaining iterations, then the final evaluation: the one loop of a run, on every rank.
+
+    ``steps`` defaults to the plain functions; the flow passes its Prefect tasks and its ``hooks`` (rank 0).
+    A stop decided in ``after_eval`` is rank 0's and is broadcast like a health stop, so all ranks stop together.
+    """
+    steps, hooks = steps or PLAIN_STEPS, hooks or Hooks()
     while not sess.done:
-        run_iteration(sess)
+        val = steps.evaluate(sess) if eval_due(sess) else None  # the policy after `iteration` updates
+        if val is not None and hooks.after_eval is not None:
+            hooks.after_eval(sess, val)
+        if val is not None:
+            sess.stop_reason = distributed.broadcast(sess.stop_reason)
+            if sess.done:  # this evaluation is the last one
+                record_final_eval(sess, val)
+                return
+        metrics = _iteration(sess, steps, val)
+        if hooks.after_iteration is not None:
+            hooks.after_iteration(sess, metrics)
     if final_eval_due(sess):
-        record_final_eval(sess, evaluate_policy(sess))
+        val = steps.evaluate(sess)
+        record_final_eval(sess, val)
+        if hooks.after_final_eval is not None:
+            hooks.after_final_eval(sess, val)
+
+
+PLAIN_STEPS = Steps(evaluate_policy, collect_rollouts, diagnose, tokenize_and_filter, update_policy, record_iteration,
+                    save_run_checkpoint)
+"""The steps as plain functions: what ranks other than the flow's run, and ``run_to_end`` without Prefect."""
 
 
 def follow_main(say: Callable[[str], None] = lambda line: None) -> TrainResult:
-    """A non-zero rank's whole run, while rank 0 runs the flow (or its own ``run_to_end``): rank 0's config and
-    folder, then every step in the flow's order and ``finish`` (for their collectives), with a NullLogger.
+    """A non-zero rank's whole run, while rank 0 runs the flow: rank 0's config and folder, then the same
+    :func:`run_to_end` with the plain steps and ``finish`` (for their collectives), with a NullLogger.
 
     Quiet by default: rank 0 prints the run's lines. The process group must exist (distributed.join).
     """

@@ -1,4 +1,5 @@
-"""The steps of one training iteration as Prefect tasks (flows/train.py chains them).
+"""The steps of one training iteration as Prefect tasks: ``STEPS``, which flows/train.py hands to the one loop
+(``ragen_core.session.run_to_end``).
 
 Each task calls exactly one ``ragen_core.session`` function. Task runs are named after the step and the
 iteration (``rollout-it0042``: the iteration the policy has reached), so the Prefect UI reads as a log.
@@ -51,3 +52,8 @@ def record(sess: session.Session, rollouts: session.RolloutBatch, selection: ses
 @task(name="checkpoint", task_run_name="checkpoint-it{sess.iteration:04d}", cache_policy=NO_CACHE)
 def checkpoint(sess: session.Session) -> Path:
     return session.save_run_checkpoint(sess)
+
+
+STEPS = session.Steps(evaluate=evaluate, rollout=rollout, diagnose=diagnose, filter=filter_groups, update=update,
+                      record=record, checkpoint=checkpoint)
+"""The steps as tasks, in the shape ``session.run_to_end`` takes."""
