@@ -7,6 +7,7 @@
     ragen envs                          ragen play Sokoban --seed 3
     ragen show RUN --iter 3 --kept      (a run's dialogues; --html PAGE writes them as a page)
     ragen demo                          (the README's main job)
+    ragen worker --pool gpu-pool        (a Prefect worker taking one run per GPU of this machine)
 
 Heavy modules (torch, prefect, mlflow) are imported inside the commands so `--help`
 is instant. A bad configuration exits with status 2 before anything is written.
@@ -154,14 +155,20 @@ def sweep(
 ) -> None:
     """Run an Optuna study over rollout-design knobs; one nested MLflow run per trial."""
     from ragen_core.sweeps import plan_sweep
+    from ragen_core.sweeps.trials import check_pool_launch
 
     try:
-        plan_sweep(sweep_file, set_ or [])  # every grid point is built: a bad one exits 2 before any training
+        plan = plan_sweep(sweep_file, set_ or [])  # every grid point is built: a bad one exits 2 before any training
+        check_pool_launch(plan)  # trials on a pool: a tracking server they reach and a shared data folder
     except ConfigError as e:
         _fail(str(e))
     from flows.sweep import sweep as sweep_flow
+    from ragen_core.sweeps.trials import NoWorker
 
-    print(sweep_flow(sweep_file=str(sweep_file), workers=workers, overrides=list(set_ or [])))
+    try:
+        print(sweep_flow(sweep_file=str(sweep_file), workers=workers, overrides=list(set_ or [])))
+    except NoWorker as e:  # the pool took no trial up: say so in one line
+        _fail(str(e), 1)
 
 
 @app.command()
@@ -174,17 +181,46 @@ def study(
     """StarPO vs StarPO-S over seeds: every (preset, seed) a nested run, then curves with bands, a table per
     preset and the monitor's hits and misses (written under data/sweeps/NAME/study and on the parent run)."""
     from ragen_core.sweeps import plan_sweep
+    from ragen_core.sweeps.trials import check_pool_launch
 
     try:
         plan = plan_sweep(study_file, set_ or [])
+        check_pool_launch(plan)  # trials on a pool: a tracking server they reach and a shared data folder
     except ConfigError as e:
         _fail(str(e))
     if not plan.sweep.group_by:
         _fail(f"{study_file}: a study needs group_by (the parameter or tag to compare, e.g. preset); "
               "for an ablation table use ragen sweep")
     from flows.sweep import sweep as sweep_flow
+    from ragen_core.sweeps.trials import NoWorker
 
-    print(sweep_flow(sweep_file=str(study_file), workers=workers, overrides=list(set_ or [])))
+    try:
+        print(sweep_flow(sweep_file=str(study_file), workers=workers, overrides=list(set_ or [])))
+    except NoWorker as e:  # the pool took no trial up: say so in one line
+        _fail(str(e), 1)
+
+
+@app.command()
+def worker(
+    pool: Annotated[str, typer.Option(help="the Prefect work pool (prefect.yaml's gpu-pool)")] = "gpu-pool",
+    name: Annotated[str | None, typer.Option(help="the worker's name (default: Prefect's)")] = None,
+) -> None:
+    """Serve a work pool on this machine: `prefect worker start` taking at most as many runs at once as this
+    machine offers GPUs (RAGEN_GPUS, else what CUDA reports); each run then holds GPUs of its own."""
+    from ragen_core import gpus
+
+    try:
+        offered = gpus.offered()
+    except ConfigError as e:
+        _fail(str(e))
+    if not offered:
+        _fail("this machine offers no GPU (no nvidia-smi, RAGEN_GPUS unset): declare the devices, "
+              "e.g. RAGEN_GPUS=0,1, or start `prefect worker start --pool POOL` yourself")
+    cmd = [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
+           "--limit", str(len(offered)), *(["--name", name] if name else [])]
+    console.print(f"{' '.join(cmd[1:])}  (GPUs {','.join(offered)})", highlight=False)
+    env = {**os.environ, "RAGEN_HOME": os.environ.get("RAGEN_HOME") or str(Path(__file__).resolve().parents[1])}
+    os.execve(cmd[0], cmd, env)
 
 
 @app.command("sweep-worker", hidden=True)

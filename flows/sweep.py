@@ -6,25 +6,26 @@
     python -c "from flows.sweep import sweep; print(sweep('sweeps/smoke.yaml'))"
     optuna-dashboard sqlite:///data/optuna.db          # watch the study
 
-One MLflow parent run per study and a nested run per trial (tags study, trial and the
-Prefect flow-run id); each trial runs ``flows.train.train`` itself (no second copy of the
-training code), reports validation success per evaluation and may be pruned. ``--workers N``
-starts N processes (the hidden command ``ragen sweep-worker``, flows/cli.py) on the same storage;
-with ``dispatch: deployment`` each trial is a run of the ``ragen-train-trial`` deployment on the work
-pool instead. Interrupted? Run the same command again: the study resumes. At the end the
-results table (CSV, Markdown, PNG) and the best params go on the parent run.
+One MLflow parent run per study and a nested run per trial (tags study, trial and the Prefect flow-run
+id); each trial runs ``flows.train.train_trial`` (no second copy of the training code), reports validation
+success per evaluation and may be pruned. ``--workers N`` starts N processes (the hidden command
+``ragen sweep-worker``, flows/cli.py) on the same storage, each on a GPU of its own where the machine
+offers GPUs (ragen_core/gpus.py). With ``dispatch: deployment`` each trial is a run of the
+``ragen-train-trial`` deployment on the work pool instead, and this flow holds no GPU: it waits for the
+pool's workers, and stops with a line saying so when none takes a trial up within the sweep's
+``pickup_timeout_s``. The trials' life (ask, train, tell) is ragen_core/sweeps/trials.py; this module
+supplies how a trial runs and how worker processes start. Interrupted? Run the same command again: the
+study resumes. At the end the results table (CSV, Markdown, PNG) and the best params go on the parent run.
 Tests: tests/flows/test_sweep_flow.py, test_sweep_workers.py, test_study_flow.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
 from typing import Any
 
-import optuna
 import prefect.deployments
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -32,40 +33,19 @@ from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 
 from flows._ui import publish_markdown
-from ragen_core.config import ConfigError, load_experiment
-from ragen_core.sweeps import (
-    RESULT_ATTRS,
-    DuplicateTrial,
-    SweepPlan,
-    dashboard_command,
-    duplicate_of,
-    finished_count,
-    objective_value,
-    open_study,
-    plan_sweep,
-    redact,
-    remaining_trials,
-    requeue_interrupted,
-    settle,
-    stop_when_done,
-    storage_url,
-    suggest_params,
-    trial_experiment,
-    trial_record,
-    trial_spec,
-    worker_name,
+from ragen_core import gpus
+from ragen_core.config import ConfigError
+from ragen_core.sweeps import SweepPlan, dashboard_command, open_study, plan_sweep, redact, storage_url
+from ragen_core.sweeps.trials import (
+    NoWorker,
+    check_pool_launch,
+    close_lost_runs,
+    open_parent_run,
+    run_trials,
+    run_worker,
+    trial_histories,
 )
-from ragen_core.sweeps.aggregate import study_metrics
-from ragen_core.tracking import MetricLogger, MLflowLogger, NullLogger, flatten_config
-from ragen_core.tracking.factory import tracking_uri
-from ragen_core.tracking.history import fetch_runs
-from ragen_core.tracking.outbox import OutboxMismatch
-from ragen_core.tracking.run_history import RunHistory
-from ragen_core.tracking.run_meta import experiment_name
 from tasks import sweep_steps as steps
-
-PARENT_ATTR = "mlflow_parent_run_id"
-"""Study user attribute holding the parent run's id, so every worker and a resumed sweep nest under it."""
 
 
 @flow(name="ragen-sweep")
@@ -73,6 +53,8 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
     """Run (or resume) the study of ``sweep_file``; returns a summary with the results table."""
     overrides = list(overrides or [])
     plan = plan_sweep(sweep_file, overrides)
+    check_pool_launch(plan)  # a pool sweep without a reachable tracking server or a shared data folder: refused
+    workers = local_workers(plan, workers)
     url = storage_url(plan.sweep)
     study = open_study(plan.sweep, plan.grid, url)
     parent = open_parent_run(plan, study, url, flow_run.id)
@@ -80,7 +62,8 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
           f"{dashboard_command(url)}")
     status = "FAILED"
     try:
-        run_trials(plan, study, url, overrides, parent.run_id, workers)
+        run_trials(plan, study, url, parent.run_id, workers, run_trial=lambda params: run_trial(plan, params),
+                   spawn=lambda n: steps.spawn_workers(worker_command(plan, overrides, parent.run_id), worker_env(), n))
         close_lost_runs(plan, study.get_trials(deepcopy=False))
         summary = steps.publish_results(plan, study, parent, url)
         if plan.sweep.group_by:
@@ -93,86 +76,26 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
     return summary
 
 
-def run_trials(plan: SweepPlan, study: optuna.Study, url: str, overrides: list[str], parent_run_id: str | None,
-               workers: int) -> None:
-    """Rounds of trials until none is left to start: each round queues interrupted trials again, runs
-    what is left (here, or in ``workers`` processes), then waits for running trials (a lost worker's go
-    FAIL and are queued again). Ends early when a round finishes no trial, so a stuck study stops."""
-    finished = None
-    while True:
-        requeue_interrupted(study, plan.sweep.retries)
-        todo = remaining_trials(study, plan.target, plan.grid)
-        if not todo and finished is not None:
-            return
-        if todo and workers > 1:
-            steps.spawn_workers(worker_command(plan, overrides, parent_run_id), worker_env(), min(workers, todo))
-        elif todo:
-            run_worker(plan, url, parent_run_id)
-        settle(study)
-        now = finished_count(study)
-        if now == finished:
-            print(f"[sweep] no trial finished in the last round; {todo} left undone")
-            return
-        finished = now
+def local_workers(plan: SweepPlan, workers: int) -> int:
+    """How many worker processes run the trials here: as asked, but no more than this machine's GPUs when it
+    offers some (each worker holds one); trials on a pool need none here."""
+    offered = gpus.offered() if plan.sweep.dispatch == "local" else []
+    if offered and workers > len(offered):
+        print(f"[sweep] {workers} workers asked for, this machine offers {len(offered)} GPUs "
+              f"({','.join(offered)}): starting {len(offered)}")
+        return len(offered)
+    return workers
 
 
-def run_worker(plan: SweepPlan, url: str, parent_run_id: str | None) -> None:
-    """Run trials on the shared study until nothing is left to start (one worker's loop)."""
-    study = open_study(plan.sweep, plan.grid, url)
-    if remaining_trials(study, plan.target, plan.grid) == 0:
-        return
-    # catch: a crashing trial ends FAIL and the worker goes on with the next one
-    study.optimize(lambda trial: objective(trial, plan, url, parent_run_id), catch=(Exception,),
-                   callbacks=[stop_when_done(plan.target, plan.grid)], gc_after_trial=True)
-
-
-def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str | None) -> float | tuple[float, float]:
-    """One trial: the train flow on the base experiment plus this trial's overrides."""
-    if "failed_trial" in trial_record(trial.study, trial.number).system_attrs:
-        # a retry inherits the lost trial's attributes
-        for key in RESULT_ATTRS:
-            trial.set_user_attr(key, None)
-    params = suggest_params(trial, plan)
-    trial.set_user_attr("worker", worker_name())  # every trial a worker took, a skipped duplicate too
-    other = duplicate_of(trial.study, trial.number)
-    if other is not None:
-        trial.set_user_attr("skipped", f"same grid point as trial {other}")
-        raise DuplicateTrial(f"trial {trial.number} skipped: trial {other} runs the same grid point {params}")
-    experiment, overrides = trial_experiment(plan.sweep, params, plan.bases)
-    trial.set_user_attr("overrides", overrides)
-    try:
-        result = train_trial(plan, experiment, overrides, parent_run_id, trial.number,
-                             trial_spec(plan.sweep, url, trial.number))
-    except BaseException as e:
-        if not isinstance(e, Exception):  # Ctrl-C or a termination signal: run it again on resume
-            trial.set_user_attr("interrupted", type(e).__name__)
-        raise
-    if result is not None:
-        trial.set_user_attr("mlflow_run_id", result.mlflow_run_id)
-    attrs = trial_record(trial.study, trial.number).user_attrs  # written by the trial's reporter
-    if attrs.get("pruned_at") is not None:
-        raise optuna.TrialPruned(f"{plan.sweep.metric} below the median at iteration {attrs['pruned_at']}")
-    if attrs.get("health_stop") and plan.sweep.prune_on_health:
-        raise optuna.TrialPruned(attrs["health_stop"])
-    value = objective_value(attrs.get("curve") or [], plan.sweep.objective, plan.sweep.direction)
-    if plan.sweep.cost_objective == "none":
-        return value
-    return value, float(attrs["cost"][plan.sweep.cost_objective])
-
-
-def train_trial(plan: SweepPlan, experiment: str, overrides: list[str], parent_run_id: str | None,
-                number: int, spec: dict[str, Any]) -> Any:
+def run_trial(plan: SweepPlan, parameters: dict[str, Any]) -> Any:
     """The trial flow (flows/train.py ``train_trial``) in this process (a sub-flow), or a run of its
     deployment on the work pool."""
-    kwargs = {"experiment": experiment, "overrides": overrides, "parent_run_id": parent_run_id,
-              "run_name": f"{plan.sweep.name}-t{number:03d}-{time.strftime('%Y%m%d-%H%M%S')}",
-              "tags": {"study": plan.sweep.name, "trial": str(number)}, "trial": spec}
     if plan.sweep.dispatch == "deployment":
-        return run_on_pool(plan, kwargs)
+        return run_on_pool(plan, parameters)
     # imported here: the train flow loads torch, which the sweep's own loop does not need
     from flows.train import train_trial as trial_flow
 
-    return trial_flow(**kwargs)
+    return trial_flow(**parameters)
 
 
 def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:
@@ -185,16 +108,60 @@ def run_on_pool(plan: SweepPlan, parameters: dict[str, Any]) -> None:
     relative = os.path.relpath(parameters["experiment"])  # the worker runs in its own checkout of the repo
     parameters = {**parameters, "experiment": parameters["experiment"] if relative.startswith("..") else relative}
     # looked up on the module at call time, so that tests can stand in for the deployment run
-    run = prefect.deployments.run_deployment(plan.sweep.deployment, parameters=parameters, timeout=None)
-    if run.state is None or not run.state.is_completed():
+    run = prefect.deployments.run_deployment(plan.sweep.deployment, parameters=parameters, timeout=0)
+    state = wait_for_run(run, plan.sweep.deployment, plan.sweep.pickup_timeout_s)
+    if state is None or not state.is_completed():
         raise RuntimeError(f"deployment run {run.name} ({run.id}) of {plan.sweep.deployment} ended "
-                           f"{run.state.name if run.state else 'without a state'}")
+                           f"{state.name if state else 'without a state'}")
+
+
+def wait_for_run(run: Any, deployment: str, pickup_timeout_s: float, poll_s: float = 2.0) -> Any:
+    """The final state of a deployment run. While it waits for a worker and no run of the same deployment is
+    running anywhere (a busy pool is a queue, not a stall) for ``pickup_timeout_s``, it is cancelled and
+    :class:`NoWorker` raised."""
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled
+
+    idle_since = time.monotonic()
+    with get_client(sync_client=True) as client:
+        while True:
+            current = client.read_flow_run(run.id)
+            state = current.state
+            if state is not None and state.is_final():
+                return state
+            if state is None or state.type in (StateType.SCHEDULED, StateType.PENDING):
+                busy = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                        type=FlowRunFilterStateType(any_=[StateType.RUNNING]))),
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[current.deployment_id])),
+                    limit=1) if current.deployment_id else []
+                if busy:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > pickup_timeout_s:
+                    client.set_flow_run_state(run.id, Cancelled(message="no worker took it up"), force=True)
+                    raise NoWorker(f"no worker took up {run.name} of {deployment} within {pickup_timeout_s:g} s "
+                                   "while none of its runs was running: start a worker on the pool "
+                                   "(ragen worker --pool <pool>); the study resumes with the same command")
+            else:
+                idle_since = time.monotonic()
+            time.sleep(poll_s)
 
 
 def worker(sweep_file: str, overrides: list[str], parent_run_id: str | None) -> None:
-    """One worker process of ``--workers N`` (``ragen sweep-worker``): trials until none is left to start."""
+    """One worker process of ``--workers N`` (``ragen sweep-worker``): trials until none is left to start, on a
+    GPU of its own where the machine offers GPUs."""
     plan = plan_sweep(sweep_file, overrides)
-    run_worker(plan, storage_url(plan.sweep), parent_run_id)
+    held = gpus.hold(1)
+    if held:
+        print(f"[sweep] worker {os.getpid()} holds GPU {','.join(held)}")
+    run_worker(plan, storage_url(plan.sweep), parent_run_id, lambda params: run_trial(plan, params))
 
 
 def worker_command(plan: SweepPlan, overrides: list[str], parent_run_id: str | None) -> list[str]:
@@ -217,62 +184,3 @@ def worker_env() -> dict[str, str]:
         with get_client(sync_client=True) as client:
             env["PREFECT_API_URL"] = str(client.api_url).rstrip("/")
     return env
-
-
-def open_parent_run(plan: SweepPlan, study: optuna.Study, url: str, flow_run_id: str | None) -> MetricLogger:
-    """One MLflow run per study (run name = study name); a resumed study continues the same run.
-
-    It goes into the base experiment's MLflow experiment (``ragen-<env family>`` unless tracking.experiment
-    names one); the trials, nested under it, follow it there (MLflowLogger).
-    """
-    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
-    if base.tracking.backend == "none":
-        return NullLogger(record=False)
-    known = study.user_attrs.get(PARENT_ATTR)
-    tags = {"study": plan.sweep.name, "sweep": "parent", "optuna.storage": redact(url),
-            **({"prefect.flow_run_id": flow_run_id} if flow_run_id else {})}
-    outbox = plan.out_dir / "mlflow-parent"
-    try:
-        logger = MLflowLogger(tracking_uri(base), experiment_name(base), run_name=plan.sweep.name,
-                              run_id=known, tags=tags, outbox_dir=outbox)
-    except OutboxMismatch:  # the outbox belongs to an older study of the same name: the study's record wins;
-        # the old outbox is set aside, never deleted (its undelivered entries are still there to read)
-        aside = outbox.with_name(f"{outbox.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
-        outbox.rename(aside)
-        logger = MLflowLogger(tracking_uri(base), experiment_name(base), run_name=plan.sweep.name,
-                              run_id=known, tags=tags, outbox_dir=outbox)
-    if logger.run_id and known != logger.run_id:
-        study.set_user_attr(PARENT_ATTR, logger.run_id)
-    logger.log_params({f"sweep.{k}": v for k, v in flatten_config(plan.sweep).items()})
-    return logger
-
-
-def close_lost_runs(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> None:
-    """Mark FAILED the MLflow runs of trials that failed while their run was open (a killed worker)."""
-    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
-    lost = [t.user_attrs["mlflow_run_id"] for t in trials
-            if t.state.name == "FAIL" and t.user_attrs.get("mlflow_run_id")]
-    if not lost or base.tracking.backend == "none":
-        return
-    from mlflow import MlflowClient  # only when a trial was lost: mlflow takes seconds to import
-
-    client = MlflowClient(tracking_uri(base))
-    for run_id in lost:
-        try:
-            if client.get_run(run_id).info.status == "RUNNING":
-                client.set_terminated(run_id, "FAILED")
-        except Exception as e:  # noqa: BLE001 -- a tracking hiccup must not lose the results table
-            print(f"[sweep] could not mark MLflow run {run_id} FAILED: {e}")
-
-
-def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> list[RunHistory]:
-    """The MLflow histories of the trials that trained (a study's curves and the monitor's signals), each
-    run's tags completed with its trial's parameters (so ``group_by`` may name a parameter or a tag)."""
-    base = load_experiment(plan.sweep.base, plan.sweep.overrides)
-    ran = [t for t in sorted(trials, key=lambda t: t.number)
-           if t.state.name in ("COMPLETE", "PRUNED") and t.user_attrs.get("mlflow_run_id")]
-    if not ran or base.tracking.backend == "none":
-        return []
-    fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics())
-    return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}})
-            for f, t in zip(fetched, ran, strict=True)]

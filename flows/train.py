@@ -17,14 +17,15 @@ with the plain steps, without Prefect (ragen_core/session.py says how the steps 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prefect import flow
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 
 from flows import ranks
 from flows._ui import Reporter, RunArtifacts
-from ragen_core import session
+from ragen_core import distributed, gpus, session
 from ragen_core.config import ConfigError, ExperimentConfig, check_run_name, load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import open_logger, tracking_uri
@@ -84,9 +85,16 @@ def _start(experiment: str | None, overrides: list[str], resume: str | None, run
     session.check_world(cfg, size)
     if trial and size > 1:
         raise ConfigError("a sweep trial reports to Optuna from one process: run sweeps with nproc 1")
+    if deployment.id and not os.environ.get("RAGEN_DATA_DIR", "").strip():
+        raise ConfigError("this deployment run has no RAGEN_DATA_DIR, so its run would land in ./data of this "
+                          "worker: export RAGEN_DATA_DIR (the folder the workers share) before `prefect deploy`, "
+                          "or in the worker's environment")
+    # under torchrun the launcher placed the ranks; otherwise this run holds a GPU per rank (CUDA starts after)
+    held = () if distributed.launched() else gpus.hold(size, say=print)
     with ranks.world(nproc, resolve_device(cfg.model.device)):  # rank 0 (starting or joining the others), or alone
         cfg, folder = session.agree_run(cfg, folder)  # the other ranks take this run's config and folder
-        return _train(cfg, folder, parent_run_id, tags, trial, experiment)
+        return _train(cfg, folder, parent_run_id, {**(tags or {}), **({"gpus": ",".join(held)} if held else {})},
+                      trial, experiment)
 
 
 def _train(cfg: ExperimentConfig, folder: RunDir, parent_run_id: str | None, tags: dict[str, str] | None,
@@ -126,4 +134,28 @@ def _train(cfg: ExperimentConfig, folder: RunDir, parent_run_id: str | None, tag
 def _trial_reporter(trial: dict[str, Any]) -> Any:
     from ragen_core.sweeps import trial_reporter  # optuna only for sweep trials
 
-    return trial_reporter(trial)
+    return trial_reporter({**trial, "storage": _trial_storage(str(trial["storage"]))})
+
+
+STORAGE_SECRET = "ragen-optuna-storage"
+"""The Prefect Secret block a worker may read the study storage's full URL from (README, GPU pool)."""
+
+
+def _trial_storage(url: str) -> str:
+    """The trial's storage URL with its password (its parameters carry none): this worker's
+    ``RAGEN_OPTUNA_STORAGE``, else the Prefect Secret block ``ragen-optuna-storage``."""
+    from ragen_core.sweeps.study import STORAGE_ENV, trial_storage
+
+    def secret() -> str | None:
+        from prefect.blocks.system import Secret
+
+        try:
+            return str(Secret.load(STORAGE_SECRET).get())
+        except ValueError:  # no such block
+            return None
+
+    env = os.environ.get(STORAGE_ENV)
+    try:
+        return trial_storage(url, [env])
+    except ConfigError:
+        return trial_storage(url, [secret()])

@@ -510,6 +510,8 @@ class SweepConfig:
     deployment: str = F("ragen-train-trial/ragen-train-trial",
                         "deployment (flow/deployment) of the trial flow (flows/train.py train_trial) used when "
                         "dispatch is deployment")
+    pickup_timeout_s: int = F(900, "dispatch deployment: seconds a trial may wait for a worker while no run of the "
+                                   "deployment is running anywhere; then the sweep stops and says so", ge=1)
     group_by: str | None = F(None, "a study (ragen study): aggregate the trials' runs by this parameter or tag "
                                    "(preset): mean and band over seeds, a table per group, the monitor judged")
     collapse_drop: float = F(0.15, "a study: a run collapsed when its validation success ended this far below "

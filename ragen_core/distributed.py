@@ -156,6 +156,13 @@ def _use_local_device(device: torch.device) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def engine_devices(device: torch.device) -> list[int]:
+    """The GPU a rank's own inference engine runs on, as vLLM's ``device_ids`` (an index into the visible
+    devices): ``LOCAL_RANK``'s, the device this rank trains on, so the ranks' engines never meet on one GPU
+    (vLLM's single-process executor would otherwise take the first visible device on every rank). Empty off CUDA."""
+    return [int(os.environ.get("LOCAL_RANK", "0"))] if device.type == "cuda" else []
+
+
 def _drop_lone_group() -> None:
     """A one-process group left by an earlier DeepSpeed run in this process must make way for a new world."""
     if dist.is_initialized():

@@ -75,6 +75,7 @@ from ragen_core.trainer import (
     update,
 )
 from ragen_core.trainer.collapse import measure_collapse, measure_later_turns
+from ragen_core.trainer.models import resolve_device
 from ragen_core.trainer.warmup import warmup_facts, warmup_model
 
 # RolloutBatch and Selection moved to ragen_core.types (hand-offs between parts); imported here, they stay
@@ -263,13 +264,14 @@ def open_session(
                    else [r for r in folder.read_history() if int(r.get("iteration", 0)) < state.iteration])
     tokenizer = load_tokenizer(model_spec)
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
+    if cfg.rollout.backend == "hf":
+        engine_kw = {"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len,
+                     "fast_decode": cfg.rollout.fast_decode, "value_head": _rollout_value_head(state)}
+    else:  # vLLM: an engine per rank, on that rank's own GPU
+        engine_kw = {"gpu_memory_utilization": cfg.rollout.vllm_gpu_memory,
+                     "device_ids": distributed.engine_devices(resolve_device(cfg.model.device))}
     with state.full_weights():  # a vLLM generator starts from a saved copy of the actor
-        generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer,
-                                   **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len,
-                                         "fast_decode": cfg.rollout.fast_decode,
-                                         "value_head": _rollout_value_head(state)}
-                                      if cfg.rollout.backend == "hf"
-                                      else {"gpu_memory_utilization": cfg.rollout.vllm_gpu_memory}))
+        generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer, **engine_kw)
     if distributed.is_main():
         folder.write_config(to_dict(cfg))
     sess = Session(cfg, folder.path, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,

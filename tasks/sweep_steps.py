@@ -1,8 +1,8 @@
 """The Prefect tasks of a sweep (flows/sweep.py): worker processes, the results table, the study report.
 
-They are tasks for visibility: each shows in the UI with its timing. Trials themselves are train
-flows, not tasks; the sweep's plain helpers (the parent MLflow run, the trial loop) live in the flow
-module, and the Optuna side in ragen_core/sweeps/. ``NO_CACHE``: each depends on a live study.
+They are tasks for visibility: each shows in the UI with its timing, and each is one call. Trials themselves are
+train flows, not tasks; the trials' life is ragen_core/sweeps/trials.py, what is published ragen_core/sweeps/report.py.
+``NO_CACHE``: each depends on a live study.
 """
 
 from __future__ import annotations
@@ -10,13 +10,11 @@ from __future__ import annotations
 import subprocess
 
 from optuna import Study
-from optuna.trial import TrialState
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ragen_core.config import load_experiment
-from ragen_core.sweeps import SweepPlan, dashboard_command, redact, table_rows, write_table
-from ragen_core.sweeps.aggregate import group_runs, group_table, rule_patience, summary_metrics, write_study
+from ragen_core.sweeps import SweepPlan
+from ragen_core.sweeps.report import results_report, study_report
 from ragen_core.tracking import MetricLogger
 from ragen_core.tracking.run_history import RunHistory
 
@@ -30,59 +28,9 @@ def spawn_workers(cmd: list[str], env: dict[str, str], n: int) -> list[int]:
 
 @task(name="study-report", cache_policy=NO_CACHE)
 def publish_study(plan: SweepPlan, runs: list[RunHistory], parent: MetricLogger) -> str:
-    """A study's aggregate (ragen_core/sweeps/aggregate.py) under the sweep's folder and on the parent run."""
-    sweep = plan.sweep
-    assert sweep.group_by is not None
-    if not runs:
-        return "study: no trial has a tracked run to aggregate"
-    patience = rule_patience(load_experiment(sweep.base, sweep.overrides).health)
-    paths = write_study(runs, plan.out_dir / "study", group_by=sweep.group_by, drop=sweep.collapse_drop,
-                        patience=patience, title=f"{sweep.name}: {len(runs)} runs by {sweep.group_by}")
-    for path in paths.values():
-        parent.log_artifact(path, "study")
-    parent.log_metrics(summary_metrics(group_table(group_runs(runs, sweep.group_by), sweep.collapse_drop)), step=0)
-    parent.flush()
-    return paths["md"].read_text().strip() + f"\n\nstudy files: {paths['md'].parent}"
+    return study_report(plan, runs, parent)
 
 
 @task(name="results", cache_policy=NO_CACHE)
 def publish_results(plan: SweepPlan, study: Study, parent: MetricLogger, url: str) -> str:
-    """The paper-style table (CSV, Markdown, PNG) and the best params on the parent run; a summary."""
-    sweep = plan.sweep
-    trials = study.get_trials(deepcopy=False)
-    table = table_rows(trials, plan.table_keys, maximize=sweep.direction == "maximize",
-                       cost=sweep.cost_objective != "none", base_order=list(plan.bases))
-    title = f"{sweep.name}: {sweep.objective} {sweep.metric}"
-    paths = write_table(table, plan.out_dir, title)
-    for path in paths.values():
-        parent.log_artifact(path, "results")
-    done = [t for t in trials if t.state == TrialState.COMPLETE]
-    for t in sorted(done, key=lambda t: t.number):
-        parent.log_metrics({"val/objective": t.values[0]}, step=t.number)
-    best_line = "best: no completed trial"
-    if done and len(study.directions) == 1:
-        best = study.best_trial
-        parent.log_params({f"best.{k}": v for k, v in best.params.items()})
-        parent.log_metrics({"val/best_objective": best.value}, step=best.number)
-        parent.set_tags({"best_trial": str(best.number)})
-        best_line = f"best: trial {best.number} {best.params} -> {sweep.objective} {sweep.metric} {best.value:.4f}"
-    elif done:
-        front = sorted(t.number for t in study.best_trials)
-        parent.set_tags({"pareto_trials": ",".join(map(str, front))})
-        best_line = f"Pareto-optimal trials ({sweep.metric} vs {sweep.cost_objective}): {front}"
-    parent.flush()
-    # a duplicate two workers drew at once never ran: counted apart, not as a failure
-    skipped = sum(1 for t in trials if t.user_attrs.get("skipped"))
-    ran = [t for t in trials if not t.user_attrs.get("skipped")]
-    counts = {s.name: sum(t.state == s for t in ran) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
-    return "\n".join([
-        (f"study {sweep.name}: {len(ran)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})"
-         + (f" and {skipped} duplicate{'s' if skipped > 1 else ''} skipped" if skipped else "") + f" in {redact(url)}"),
-        best_line,
-        "",
-        paths["md"].read_text().strip(),
-        "",
-        f"table: {paths['csv']} | {paths['md'].name} | {paths['png'].name}"
-        + (f"; MLflow parent run {parent.run_id}" if parent.run_id else ""),
-        f"browse the study: {dashboard_command(url)}",
-    ])
+    return results_report(plan, study, parent, url)

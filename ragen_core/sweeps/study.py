@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PRUNED_REASON",
     "RESULT_ATTRS",
+    "STORAGE_ENV",
     "DuplicateTrial",
     "dashboard_command",
     "duplicate_of",
@@ -70,6 +71,7 @@ __all__ = [
     "trial_record",
     "trial_reporter",
     "trial_spec",
+    "trial_storage",
     "worker_name",
 ]
 
@@ -85,8 +87,30 @@ class DuplicateTrial(Exception):
     """Raised by a trial whose grid point another trial has run or is running (the trial ends FAIL)."""
 
 
+STORAGE_ENV = "RAGEN_OPTUNA_STORAGE"
+"""The study storage's URL, password included, from the environment: the default of a sweep without ``storage``,
+and where a trial's worker finds the password its parameters leave out (:func:`trial_storage`)."""
+
+
 def storage_url(sweep: SweepConfig) -> str:
-    return sweep.storage or f"sqlite:///{data_dir() / 'optuna.db'}"
+    """The sweep's ``storage``, else ``$RAGEN_OPTUNA_STORAGE``, else ``sqlite:///$RAGEN_DATA_DIR/optuna.db``."""
+    return sweep.storage or os.environ.get(STORAGE_ENV) or f"sqlite:///{data_dir() / 'optuna.db'}"
+
+
+def trial_storage(url: str, known: Sequence[str | None]) -> str:
+    """The storage URL a trial's parameters name (its password hidden by :func:`redact`), with the password: the
+    first of ``known`` (this worker's ``$RAGEN_OPTUNA_STORAGE``, a Prefect Secret...) that is the same URL.
+    ConfigError when none is (the worker cannot open the study)."""
+    from sqlalchemy.engine import make_url  # lazily: as in redact
+
+    if make_url(url).password is None:
+        return url
+    for candidate in known:
+        if candidate and redact(candidate) == url:
+            return candidate
+    raise ConfigError(f"the trial's study storage {url} needs its password on this worker: set {STORAGE_ENV} to "
+                      "the full URL in the worker's environment, or store it in the Prefect Secret block "
+                      "ragen-optuna-storage")
 
 
 def redact(url: str) -> str:
@@ -181,8 +205,9 @@ def open_study(sweep: SweepConfig, grid: Mapping[str, Sequence[Any]] | None, url
 
 
 def trial_spec(sweep: SweepConfig, url: str, number: int) -> dict[str, Any]:
-    """The ``trial`` argument of flows.train.train: plain JSON, so it travels to a deployment run."""
-    return {"storage": url, "study_name": sweep.name, "trial_number": int(number), "metric": sweep.metric,
+    """The ``trial`` argument of flows.train.train: plain JSON, so it travels to a deployment run, and no
+    password in it (Prefect stores and shows a run's parameters): :func:`trial_storage` puts it back."""
+    return {"storage": redact(url), "study_name": sweep.name, "trial_number": int(number), "metric": sweep.metric,
             "pruner": sweep.pruner, "pruner_startup_trials": sweep.pruner_startup_trials,
             "pruner_warmup": sweep.pruner_warmup}
 

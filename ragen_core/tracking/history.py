@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Run
 
-__all__ = ["FetchedRun", "fetch_runs", "find_group", "find_run", "log_compare_run", "log_onto_run", "metric_histories",
-           "run_id_of", "tracking_uri_for"]
+__all__ = ["FetchedRun", "fail_running_runs", "fetch_runs", "find_group", "find_run", "log_compare_run", "log_onto_run",
+           "metric_histories", "run_id_of", "tracking_uri_for"]
 
 _NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
 
@@ -198,3 +198,15 @@ def log_compare_run(uri: str, experiment_id: str, run_name: str, tags: dict[str,
         raise
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
+
+
+def fail_running_runs(uri: str, run_ids: Sequence[str], say: Callable[[str], None] = print) -> None:
+    """Mark FAILED those of ``run_ids`` still RUNNING (runs whose process was lost); a tracking error is said, not
+    raised (what calls this has results to publish)."""
+    client = _client(uri)
+    for run_id in run_ids:
+        try:
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, "FAILED")
+        except Exception as e:  # noqa: BLE001 -- a tracking hiccup must not lose the results table
+            say(f"[sweep] could not mark MLflow run {run_id} FAILED: {e}")

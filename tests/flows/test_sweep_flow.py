@@ -12,8 +12,10 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.sweep import objective, sweep
+import flows.sweep
+from flows.sweep import run_trial, sweep
 from ragen_core.sweeps import open_study, plan_sweep, storage_url, trial_reporter
+from ragen_core.sweeps.trials import objective
 from tests.flows.conftest import latest_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,15 +176,16 @@ def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_di
         return SimpleNamespace(name="fake", id="id", state=SimpleNamespace(name="Completed", is_completed=lambda: True))
 
     monkeypatch.setattr(prefect.deployments, "run_deployment", fake_run_deployment)
+    monkeypatch.setattr(flows.sweep, "wait_for_run", lambda run, deployment, timeout_s: run.state)
     monkeypatch.chdir(ROOT)
     path = write_sweep(tmp_path, "pool", f"knobs: {{online_k: [2]}}\ndispatch: deployment\npruner: none\n"
                                          f"cost_objective: {cost}\n", [])
     plan = plan_sweep(path)
     url = storage_url(plan.sweep)
     study = open_study(plan.sweep, plan.grid, url)
-    study.optimize(lambda t: objective(t, plan, url, "parent-id"), n_trials=1)
+    study.optimize(lambda t: objective(t, plan, url, "parent-id", lambda p: run_trial(plan, p)), n_trials=1)
     (name, params, timeout), = calls
-    assert name == "ragen-train-trial/ragen-train-trial" and timeout is None
+    assert name == "ragen-train-trial/ragen-train-trial" and timeout == 0  # it waits itself (wait_for_run)
     assert params["experiment"] == "experiments/smoke.yaml"  # relative: the worker runs in its own checkout
     assert params["overrides"] == ["trainer.online_k=2"] and params["parent_run_id"] == "parent-id"
     assert params["tags"] == {"study": "pool", "trial": "0"} and params["run_name"].startswith("pool-t000-")

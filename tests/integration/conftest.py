@@ -162,12 +162,13 @@ class PrefectServer(ServerProcess):
 
 
 class MlflowServer(ServerProcess):
-    """`mlflow server` with a sqlite backend store and a local artifact store under ``root``."""
+    """`mlflow server` with a sqlite backend store (or ``backend_uri``: PostgreSQL) and a local artifact store
+    under ``root``."""
 
-    def __init__(self, root: Path, port: int) -> None:
+    def __init__(self, root: Path, port: int, backend_uri: str | None = None) -> None:
         self.root, self.port = root, port
         root.mkdir(parents=True, exist_ok=True)
-        self.backend_uri = f"sqlite:///{root}/mlflow.db"
+        self.backend_uri = backend_uri or f"sqlite:///{root}/mlflow.db"
         cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
                "--backend-store-uri", self.backend_uri, "--artifacts-destination", str(root / "artifacts"),
                "--workers", "1"]

@@ -43,6 +43,9 @@ DEPLOYMENTS = {  # deployment name -> (entrypoint, flow name): what prefect.yaml
     "ragen-sweep": ("flows/sweep.py:sweep", "ragen-sweep"),
 }
 
+POOLS = {name: "control-pool" if name == "ragen-sweep" else "gpu-pool" for name in DEPLOYMENTS}
+"""Each deployment's work pool: the sweep orchestrator waits on its trials and needs no GPU machine's slot."""
+
 
 def declared_deployments() -> dict[str, dict]:
     """prefect.yaml's deployments, by name, as the file declares them."""
@@ -67,9 +70,10 @@ def prefect_cli(server: PrefectServer, *args: str, timeout: float = 300,
 
 
 def test_prefect_yaml_declares_every_deployment_on_gpu_pool_with_the_deployers_env() -> None:
-    """prefect.yaml declares exactly the deployments of DEPLOYMENTS, each with an entrypoint that exists, on
-    gpu-pool's default queue, one GPU per rank, and the data dir and MLflow URI left to the deployer's shell;
-    the checkout comes from the worker's RAGEN_HOME; the multi-GPU one runs DeepSpeed on several ranks."""
+    """prefect.yaml declares exactly the deployments of DEPLOYMENTS, each with an entrypoint that exists, the runs
+    on gpu-pool's default queue and the sweep orchestrator on control-pool (it holds no GPU slot), no device pinned
+    (a run holds its GPUs itself), and the data dir and MLflow URI left to the deployer's shell; the checkout
+    comes from the worker's RAGEN_HOME; the multi-GPU one runs DeepSpeed on several ranks."""
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
     assert spec["name"] == "ragen"
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $RAGEN_HOME }}"}}]
@@ -78,10 +82,9 @@ def test_prefect_yaml_declares_every_deployment_on_gpu_pool_with_the_deployers_e
     for name, (entrypoint, _) in DEPLOYMENTS.items():
         d = by_name[name]
         assert d["entrypoint"] == entrypoint and (REPO / entrypoint.split(":")[0]).is_file()
-        assert d["work_pool"]["name"] == "gpu-pool" and d["work_pool"]["work_queue_name"] == "default"
+        assert d["work_pool"]["name"] == POOLS[name] and d["work_pool"]["work_queue_name"] == "default"
         env = d["work_pool"]["job_variables"]["env"]
-        nproc = d.get("parameters", {}).get("nproc", 1)
-        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(nproc)))  # one GPU per rank
+        assert "CUDA_VISIBLE_DEVICES" not in env  # it would override the devices the run holds
         assert env["RAGEN_DATA_DIR"] == "{{ $RAGEN_DATA_DIR }}"
         assert env["MLFLOW_TRACKING_URI"] == "{{ $MLFLOW_TRACKING_URI }}"
     assert (REPO / by_name["ragen-train"]["parameters"]["experiment"]).is_file()
@@ -101,7 +104,8 @@ def test_deploy_all_registers_every_declared_deployment_and_a_worker_runs_ragen_
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     data_dir, mlflow_uri = tmp_path / "data", f"sqlite:///{tmp_path}/mlflow.db"
-    prefect_cli(prefect_server, "work-pool", "create", "gpu-pool", "--type", "process")
+    for pool in sorted(set(POOLS.values())):
+        prefect_cli(prefect_server, "work-pool", "create", pool, "--type", "process", "--overwrite")
 
     t0 = time.monotonic()
     prefect_cli(prefect_server, "deploy", "--all", RAGEN_DATA_DIR=str(data_dir), MLFLOW_TRACKING_URI=mlflow_uri)
@@ -114,11 +118,10 @@ def test_deploy_all_registers_every_declared_deployment_and_a_worker_runs_ragen_
     assert sorted(deployments) == sorted(declared_deployments())
     for name, dep in deployments.items():
         assert flow_names[dep.flow_id] == DEPLOYMENTS[name][1]
-        assert dep.work_pool_name == "gpu-pool" and dep.entrypoint == DEPLOYMENTS[name][0]
+        assert dep.work_pool_name == POOLS[name] and dep.entrypoint == DEPLOYMENTS[name][0]
         assert dep.job_variables["env"]["RAGEN_DATA_DIR"] == str(data_dir)  # read from the deployer's shell
         assert dep.job_variables["env"]["MLFLOW_TRACKING_URI"] == mlflow_uri
-        nproc = dep.parameters.get("nproc", 1)
-        assert dep.job_variables["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(nproc)))
+        assert "CUDA_VISIBLE_DEVICES" not in dep.job_variables["env"]
         # RAGEN_HOME was unset: the placeholder waits for the worker's environment
         assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory":
                                    {"directory": "{{ $RAGEN_HOME }}"}}]

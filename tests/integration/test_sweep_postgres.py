@@ -94,18 +94,25 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def ragen_sweep(sweep_file: Path, tmp_path: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def ragen_sweep(sweep_file: Path, tmp_path: Path, *args: str, timeout: float = 900,
+                gpus: str | None = None) -> subprocess.CompletedProcess:
+    """`ragen sweep`; ``gpus``: the devices the machine declares (RAGEN_GPUS), with a lock folder of this test's."""
     cmd = [str(Path(sys.executable).parent / "ragen"), "sweep", str(sweep_file), *args]
-    return subprocess.run(cmd, env=cli_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    env = cli_env(tmp_path)
+    if gpus:
+        env.update(RAGEN_GPUS=gpus, RAGEN_GPU_LOCK_DIR=str(tmp_path / "gpu-locks"))
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           check=False)
 
 
 def test_two_workers_on_postgresql_run_each_grid_point_once(postgres_url: str, tmp_path: Path) -> None:
+    """Also the local form of the GPU slots: with two declared GPUs (RAGEN_GPUS=0,1) each of the two workers holds
+    one of its own, and its trials' runs record it (MLflow tag gpus)."""
     path = tmp_path / "pg.yaml"
     path.write_text(f"name: pg-sweep\nbase: {SMOKE}\noverrides: {FAST}\nknobs: {{responses_per_prompt: [1, 2, 4]}}\n"
                     f"pruner: none\nheartbeat_seconds: 20\nstorage: {postgres_url}\n")
     started = time.monotonic()
-    done = ragen_sweep(path, tmp_path, "--workers", "2")
+    done = ragen_sweep(path, tmp_path, "--workers", "3", gpus="0,1")
     print(f"sweep of 3 trials on 2 workers took {time.monotonic() - started:.0f} s")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     study = optuna.load_study(study_name="pg-sweep", storage=postgres_url)
@@ -120,3 +127,15 @@ def test_two_workers_on_postgresql_run_each_grid_point_once(postgres_url: str, t
     assert "study pg-sweep: 3 trials (COMPLETE 3, PRUNED 0, FAIL 0)" in done.stdout
     assert "postgresql+psycopg2://postgres@127.0.0.1" in done.stdout  # where to point optuna-dashboard
     assert (tmp_path / "data" / "sweeps" / "pg-sweep" / "results.csv").exists()
+    assert "3 workers asked for, this machine offers 2 GPUs (0,1): starting 2" in done.stdout
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'data' / 'mlflow.db'}")
+    held = {t.user_attrs["worker"]: client.get_run(t.user_attrs["mlflow_run_id"]).data.tags["gpus"]
+            for t in done_trials}
+    by_worker = {}
+    for t in done_trials:
+        by_worker.setdefault(t.user_attrs["worker"], set()).add(
+            client.get_run(t.user_attrs["mlflow_run_id"]).data.tags["gpus"])
+    assert all(len(g) == 1 for g in by_worker.values()), by_worker  # a worker keeps its GPU
+    assert set().union(*by_worker.values()) <= {"0", "1"} and len(set(held.values())) == len(held), held

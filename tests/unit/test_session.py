@@ -90,3 +90,52 @@ def test_a_value_heads_old_values_come_from_the_rollout(tmp_path, monkeypatch, c
         values = critic_values(sess.state.models, batch.input_ids, batch.attention_mask.long())
     torch.testing.assert_close(batch.old_values[batch.loss_mask], values[batch.loss_mask], rtol=0, atol=1e-4)
     assert not batch.old_values[~batch.loss_mask].any()
+
+
+def test_the_one_loop_runs_the_given_steps_in_order_and_a_hook_may_end_it_at_an_evaluation() -> None:
+    # run_to_end is the only iteration loop: the flow hands it its tasks and hooks, the other ranks the plain steps.
+    # Here a recording stand-in session and steps: 3 iterations, evaluations every 2, a checkpoint every iteration.
+    from types import SimpleNamespace
+
+    from ragen_core.session import Hooks, Steps, run_to_end
+
+    calls: list[str] = []
+
+    class Stand(SimpleNamespace):
+        @property
+        def done(self) -> bool:
+            return self.stop_reason is not None or self.iteration >= 3
+
+    sess = Stand(iteration=0, stop_reason=None, history=[], main=True, say=calls.append,
+                 logger=SimpleNamespace(log_metrics=lambda *a, **k: None),
+                 folder=SimpleNamespace(append_history=lambda row: None),
+                 cfg=SimpleNamespace(eval=SimpleNamespace(every=2),
+                                     trainer=SimpleNamespace(iterations=3, checkpoint_every=1),
+                                     diagnostics=SimpleNamespace(collapse_every=0)))
+
+    def step(name: str, result: object = None):
+        def run(s, *args):
+            calls.append(f"{name}{s.iteration}")
+            if name == "record":
+                s.iteration += 1
+            return result if result is not None else {}
+        return run
+
+    steps = Steps(evaluate=step("evaluate", {"val/success": 0.5}), rollout=step("rollout"), diagnose=step("diagnose"),
+                  filter=step("filter"), update=step("update"), record=step("record"), checkpoint=step("checkpoint"))
+    hooks = Hooks(after_iteration=lambda s, m: calls.append(f"after{s.iteration}"),
+                  after_final_eval=lambda s, v: calls.append("final"))
+    run_to_end(sess, steps, hooks)
+    one = ["rollout", "filter", "update", "record"]
+    assert [c for c in calls if not c.startswith("final evaluation")] == [
+        "evaluate0", *[f"{n}0" for n in one], "checkpoint1", "after1",
+        *[f"{n}1" for n in one], "checkpoint2", "after2",
+        "evaluate2", *[f"{n}2" for n in one], "checkpoint3", "after3",
+        "evaluate3", "final"]
+
+    calls.clear()
+    sess.iteration, sess.history = 0, []
+    stop = Hooks(after_eval=lambda s, v: setattr(s, "stop_reason", "pruned by optuna"))
+    run_to_end(sess, steps, stop)  # the first evaluation ends the run and is recorded as its last
+    assert [c for c in calls if not c.startswith("final evaluation")] == ["evaluate0"]
+    assert sess.history == [{"iteration": 0, "val/success": 0.5}]

@@ -98,7 +98,8 @@ class VLLMGenerator:
         seed: the engine's seed (rows of a call seeded with ``SamplingParams.seed`` use their own).
         dtype: vLLM dtype (default float32 on CPU, the model's dtype or "auto" on CUDA).
         enforce_eager: skip graph compilation (default True on CPU).
-        engine_kw: passed on to ``vllm.LLM``.
+        engine_kw: passed on to ``vllm.LLM`` (``device_ids``: the GPU of this rank, distributed.engine_devices;
+            an empty list means vLLM's default, the first visible device).
         """
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
@@ -117,12 +118,15 @@ class VLLMGenerator:
             dtype = "float32" if on_cpu else (_vllm_dtype(module) if module is not None else "auto")
         if on_cpu:
             engine_kw.pop("gpu_memory_utilization", None)  # the CPU engine sizes its cache by VLLM_CPU_KVCACHE_SPACE
+            engine_kw.pop("device_ids", None)  # one CPU
             # vLLM's v1 runner rewinds a seeded row's generator when it drops the token sampled
             # during a partial (chunked) prefill, and a CPU torch.Generator has no offset to rewind:
             # "RuntimeError: CPU Generator does not use offset" killed the engine on a 32-row
             # FrozenLake rollout. Whole-prompt prefills only, with a budget that fits the longest.
             engine_kw.setdefault("enable_chunked_prefill", False)
             engine_kw.setdefault("max_num_batched_tokens", max(32768, max_model_len or _context_length(path)))
+        if not engine_kw.get("device_ids", True):
+            engine_kw.pop("device_ids")
         # Any: vLLM's own annotations change between releases (and where it is missing, mypy sees none);
         # None after close()
         self.llm: Any = vllm.LLM(
