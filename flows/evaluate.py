@@ -16,7 +16,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows._ui import Reporter, publish_markdown
-from ragen_core import evaluation
+from ragen_core import evaluation, gpus
 from ragen_core.config import load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import tracking_uri
@@ -32,8 +32,9 @@ def evaluate(target: str, seeds: int | None = None, overrides: list[str] | None 
     target_ = evaluation.resolve_target(target)
     cfg = load_experiment(RunDir(target_.run_dir).config_path, list(overrides or []))
     envs = evaluation.evaluation_envs(cfg)
-    with Reporter(1) as ui:
-        ui.say(f"evaluating {target_.weights} on {', '.join(e.label for e in envs)}")
+    with gpus.holding(1) as held, Reporter(1) as ui:  # one GPU of the machine's, none another run holds
+        ui.say(f"evaluating {target_.weights} on {', '.join(e.label for e in envs)}"
+               + (f" (GPU {','.join(held)})" if held else ""))
         report = steps.evaluate_weights(cfg, target_, envs, seeds,
                                         progress=lambda done, total: ui.progress("evaluate", done, total))
     files = list(evaluation.write_report(report, target_.run_dir))

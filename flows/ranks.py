@@ -11,6 +11,10 @@ Two ways in, one contract (torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``L
 - torchrun (one node or many: ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``) sets the environment of every
   rank itself; rank 0 runs the flow, the others the same ``train-rank`` body.
 
+GPUs: with ``--nproc N`` the flow first holds N GPUs of the machine (ragen_core/gpus.py), which sets
+``CUDA_VISIBLE_DEVICES`` to them; the ranks inherit it, rank r trains on ``cuda:r`` (``LOCAL_RANK``) and builds its
+vLLM engine on that same device (distributed.engine_devices). Under torchrun the launcher's placement stands.
+
 Rank 0 runs the Prefect flow and is the only one that logs to MLflow and writes the run's files; every other
 rank runs :func:`ragen_core.session.follow_main` (the same steps in the same order, NullLogger) and gets the
 run's config and folder from rank 0. At the end every rank waits for the others and destroys the group

@@ -17,6 +17,7 @@ with the plain steps, without Prefect (ragen_core/session.py says how the steps 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -90,8 +91,8 @@ def _start(experiment: str | None, overrides: list[str], resume: str | None, run
                           "worker: export RAGEN_DATA_DIR (the folder the workers share) before `prefect deploy`, "
                           "or in the worker's environment")
     # under torchrun the launcher placed the ranks; otherwise this run holds a GPU per rank (CUDA starts after)
-    held = () if distributed.launched() else gpus.hold(size, say=print)
-    with ranks.world(nproc, resolve_device(cfg.model.device)):  # rank 0 (starting or joining the others), or alone
+    devices = contextlib.nullcontext(()) if distributed.launched() else gpus.holding(size, say=print)
+    with devices as held, ranks.world(nproc, resolve_device(cfg.model.device)):  # rank 0 (starting the others)
         cfg, folder = session.agree_run(cfg, folder)  # the other ranks take this run's config and folder
         return _train(cfg, folder, parent_run_id, {**(tags or {}), **({"gpus": ",".join(held)} if held else {})},
                       trial, experiment)

@@ -23,13 +23,14 @@ CUDA with another set of devices (the new set would not take effect).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -150,6 +151,27 @@ def _try_take(devices: list[str], n: int) -> dict[str, FileLock] | None:
     for lock in got.values():
         lock.release()
     return None
+
+
+@contextlib.contextmanager
+def holding(n: int, *, say: Callable[[str], None] = print) -> Iterator[tuple[str, ...]]:
+    """:func:`hold` for a block: devices this call took are given back at its end (and ``CUDA_VISIBLE_DEVICES``
+    restored), so one process can run one run after another (a notebook, a test); devices the process held
+    before (a sweep worker's) stay held."""
+    if _held_ids:
+        yield hold(n, say=say)
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = hold(n, say=say)
+    try:
+        yield ids
+    finally:
+        if ids:
+            release()
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def release() -> None:

@@ -9,9 +9,13 @@
   trials; Optuna's public API only (trials are named by study and number).
 - :mod:`.results`: the paper-style table (rows = knob values, columns = success per env) as
   CSV, Markdown and PNG.
+- :mod:`.trials`: the trials' life: rounds, a worker's loop, one trial (ask, train, tell), the study's
+  parent MLflow run, lost runs, the trials' histories; refusing a pool launch that workers could not serve.
+- :mod:`.report`: what a finished sweep publishes (results table, best params, a study's aggregate).
 
-Optuna is imported inside functions, so importing this package is cheap. No Prefect or MLflow
-here (flows/sweep.py and tasks/sweep_steps.py do that). Tests: ``.venv/bin/python -m pytest tests/flows -k sweep -q``.
+Optuna is imported inside functions, so importing this package is cheap. No Prefect here: how a trial
+runs (a sub-flow or a deployment run) and how worker processes start are passed in by flows/sweep.py;
+MLflow only through ragen_core.tracking. Tests: ``.venv/bin/python -m pytest tests/flows -k sweep -q``.
 """
 
 from ragen_core.sweeps.objective import objective_value, run_cost

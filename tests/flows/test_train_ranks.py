@@ -68,8 +68,10 @@ def runs(request, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("RAGEN_DATA_DIR", str(data))
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    for key in ("RANK", "WORLD_SIZE"):
+    for key in ("RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
         mp.delenv(key, raising=False)
+    mp.setenv("RAGEN_GPUS", "0,1")  # two declared GPU slots: the two-process run holds both (ragen_core/gpus.py)
+    mp.setenv("RAGEN_GPU_LOCK_DIR", str(data / "gpu-locks"))
     one = train(experiment=SMOKE, run_name="one", overrides=[*_ds(stage), "tracking.backend=none"])
     two = train(experiment=SMOKE, run_name="two", overrides=_ds(stage), nproc=2)
     yield stage, data, one, two
@@ -92,6 +94,8 @@ def test_exactly_one_mlflow_run_from_rank_0(runs) -> None:
     found = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [r.info.run_id for r in found] == [two.mlflow_run_id]
     assert found[0].info.run_name == "two" and found[0].info.status == "FINISHED"
+    assert found[0].data.tags["gpus"] == "0,1"  # one slot per rank, given back when the run ended
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
     assert [m.step for m in client.get_metric_history(two.mlflow_run_id, "actor/grad_norm")] == [0, 1]
 
 
