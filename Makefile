@@ -42,8 +42,9 @@ demo: install
 
 # Lint and type-check first: a finding fails the run before the (long) suite starts. Every test runs, the
 # slow and integration ones included (no network needed once installed); CI (.ci/run) runs exactly this.
+# --durations: the 25 slowest tests at the end, to keep the whole suite within CI's 45-minute budget.
 test: lint typecheck $(MODEL)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # Only the slow or integration tests (the real default model, real servers): a subset of `make test`.
 test-slow: install
