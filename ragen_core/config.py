@@ -104,7 +104,9 @@ class ModelConfig:
     name: str = F("smollm2-135m-instruct",
                   "model spec: 'smollm2-135m-instruct', 'tiny-random[:SEED]', a HF id or a local dir")
     dtype: Literal["float32", "bfloat16", "float16"] = F(
-        "float32", "parameter dtype (only float32 is fast on CPUs without AVX512/AMX)")
+        "float32", "dtype of the loaded weights that are not trained (a LoRA base, the reference model); trained "
+                   "weights are kept in float32 (trainer.precision sets the compute dtype). Only float32 is fast "
+                   "on CPUs without AVX512/AMX")
     device: Literal["auto", "cpu", "cuda"] = F(
         "auto", "where the actor and critic live; auto picks cuda when available")
     warmup: Literal["none", "self_distill"] = F(
@@ -283,6 +285,10 @@ class TrainerConfig:
     seed: int = F(0, "seed for env seeds, sampling and initialisation", ge=0)
     checkpoint_every: int = F(10, "save a checkpoint every N iterations (and at the end); 0 disables", ge=0)
     threads: int | None = F(None, "torch CPU threads; None keeps torch's default", ge=1)
+    precision: Literal["fp32", "bf16"] = F(
+        "fp32", "fp32, or bf16 mixed precision: forwards (and so backwards) under bf16 autocast, while the trained "
+                "weights and the optimizer state stay fp32 (master weights), whatever model.dtype is")
+    tf32: bool = F(True, "CUDA: fp32 matmuls on TF32 tensor cores (no effect on the CPU)")
 
     def __post_init__(self) -> None:
         for i, beta in enumerate(self.betas):  # AdamW refuses others, but only once the run has started

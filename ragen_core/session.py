@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from ragen_core import distributed
 from ragen_core.algos.collapse import MI_ZSCORE_EPS
@@ -83,7 +84,6 @@ from ragen_core.trainer.warmup import warmup_facts, warmup_model
 from ragen_core.types import RolloutBatch, Selection, Trajectory, UpdateStats
 
 if TYPE_CHECKING:  # transformers only for the annotation: ragen_core.models loads it when a model is loaded
-    import torch
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("ragen")
@@ -242,7 +242,7 @@ def open_session(
     if model_spec != cfg.model.name:  # the warm-up's facts (method, steps, validity before -> after) as params
         logger.log_params({f"warmup.{k}": v for k, v in warmup_facts(Path(model_spec)).items()})
     # A warmed copy is passed as the starting weights, so checkpoints keep the configured model name.
-    base = load_model(model_spec) if model_spec != cfg.model.name else None
+    base = load_model(model_spec, dtype=getattr(torch, cfg.model.dtype)) if model_spec != cfg.model.name else None
     with distributed.main_first():  # rank 0 repairs what a kill left in checkpoints/ before the others look
         ckpt = folder.latest_checkpoint()
     state = load_checkpoint(ckpt, cfg, base) if ckpt else init_state(cfg, base)

@@ -21,7 +21,8 @@ How this engine keeps the torch backend's math (``TorchEngine``):
 - The optimizer is the same ``torch.optim.AdamW`` over the same parameter
   groups, handed to ``deepspeed.initialize`` as a client optimizer. ZeRO 1/2
   runs it on flat fp32 partitions; AdamW is elementwise, so the update is the
-  same. fp32 only: no fp16/bf16 section in the DeepSpeed config.
+  same. The weights DeepSpeed holds are fp32; ``trainer.precision: bf16`` runs the forwards under bf16
+  autocast (as DeepSpeed's own ``torch_autocast`` mode does), so no fp16/bf16 section is in the config.
 - Gradient accumulation belongs to our update loop, which already divides every
   micro-batch loss by the whole mini-batch's count. So the DeepSpeed config has
   ``gradient_accumulation_steps: 1`` (``backward`` divides the loss by it, and
@@ -71,7 +72,7 @@ from torch import nn
 
 from ragen_core import distributed
 from ragen_core.config import ConfigError, ExperimentConfig
-from ragen_core.trainer.engine import adamw, bump_versions, learning_rates, trainable_parameters
+from ragen_core.trainer.engine import Precision, adamw, bump_versions, learning_rates, trainable_parameters
 from ragen_core.trainer.models import PolicyModels
 
 __all__ = ["DeepSpeedEngine", "deepspeed_engines", "init_distributed"]
@@ -171,7 +172,8 @@ class DeepSpeedEngine:
 
     def __init__(self, modules: dict[str, nn.Module], param_groups: list[dict[str, Any]],
                  betas: tuple[float, float], weight_decay: float, grad_clip: float, zero_stage: int,
-                 micro_batch_size: int, extra_config: dict[str, Any] | None = None) -> None:
+                 micro_batch_size: int, extra_config: dict[str, Any] | None = None,
+                 precision: Precision | None = None) -> None:
         # lazily: deepspeed is the optional [gpu] extra and slow to import
         import deepspeed
 
@@ -183,6 +185,7 @@ class DeepSpeedEngine:
         self.zero_stage = zero_stage
         self.grad_clip = grad_clip
         self.skipped = 0
+        self.precision = precision or Precision()
         self._norm = float("nan")
         if zero_stage == 0:  # DeepSpeed leaves fp32 clipping at stage 0 to us: clip right before AdamW steps
             self.optimizer.register_step_pre_hook(self._clip_or_drop)
@@ -222,8 +225,10 @@ class DeepSpeedEngine:
                 p.grad = None
 
     def forward(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` run inside DeepSpeed's forward (see the module docstring)."""
-        return self.engine(fn, *args, **kwargs)
+        """``fn(*args, **kwargs)`` run inside DeepSpeed's forward (see the module docstring), under the
+        precision's autocast."""
+        with self.precision.autocast():
+            return self.engine(fn, *args, **kwargs)
 
     def full_weights(self, modify: bool = False) -> contextlib.AbstractContextManager[None]:
         """Under ZeRO-3, every parameter gathered whole for the block (a collective: every rank enters it);
@@ -372,7 +377,8 @@ def deepspeed_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Deep
         groups.append({"params": trainable_parameters(models.value_head), "lr": critic_lr})
     # The settings both engines share; a partial (not a dict of kwargs) keeps each one's type checked.
     engine = functools.partial(DeepSpeedEngine, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                               zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, extra_config=t.deepspeed)
+                               zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, extra_config=t.deepspeed,
+                               precision=Precision.of(cfg))
     actor = engine(modules, groups)
     critic = None
     if models.critic is not None:

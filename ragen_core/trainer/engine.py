@@ -18,6 +18,7 @@ Run the tests with ``python -m pytest tests/unit/trainer -q``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -26,9 +27,9 @@ import torch
 from torch import nn
 
 from ragen_core.config import ExperimentConfig
-from ragen_core.trainer.models import PolicyModels
+from ragen_core.trainer.models import PolicyModels, resolve_device
 
-__all__ = ["ENGINES", "Engine", "TorchEngine", "adamw", "bump_versions", "learning_rates", "make_engines",
+__all__ = ["ENGINES", "Engine", "Precision", "TorchEngine", "adamw", "bump_versions", "learning_rates", "make_engines",
            "trainable_parameters"]
 
 T = TypeVar("T")
@@ -90,15 +91,18 @@ class TorchEngine:
     """
 
     def __init__(
-        self, param_groups: list[dict[str, Any]], betas: tuple[float, float], weight_decay: float, grad_clip: float
+        self, param_groups: list[dict[str, Any]], betas: tuple[float, float], weight_decay: float, grad_clip: float,
+        precision: Precision | None = None,
     ) -> None:
         self.params = [p for g in param_groups for p in g["params"]]
         self.optimizer = adamw(param_groups, betas, weight_decay)
         self.grad_clip = grad_clip
         self.skipped = 0
+        self.precision = precision or Precision()
 
     def forward(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return fn(*args, **kwargs)
+        with self.precision.autocast():
+            return fn(*args, **kwargs)
 
     def full_weights(self, modify: bool = False) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # the parameters always are the whole weights
@@ -132,6 +136,28 @@ class TorchEngine:
         self.skipped = int(state.get("skipped", 0))
 
 
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """trainer.precision on a device: the autocast dtype of forwards (None: fp32). Backwards run in the dtypes
+    their forwards chose; the trained weights and the optimizer state are fp32 (models.fp32_masters)."""
+
+    device_type: str = "cpu"
+    dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> Precision:
+        device = resolve_device(cfg.model.device)
+        if device.type == "cuda":  # TF32 for the fp32 matmuls left (all of them under fp32)
+            torch.backends.cuda.matmul.allow_tf32 = cfg.trainer.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
+        return cls(device.type, torch.bfloat16 if cfg.trainer.precision == "bf16" else None)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
 def trainable_parameters(*modules: nn.Module | None) -> list[nn.Parameter]:
     """The parameters with ``requires_grad`` of the given modules (None entries skipped), in module order."""
     return [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
@@ -150,11 +176,12 @@ def _torch_engines(models: PolicyModels, cfg: ExperimentConfig) -> tuple[Engine,
     groups = [{"params": trainable_parameters(models.actor), "lr": actor_lr}]
     if models.value_head is not None:  # the head shares the actor's backward, so it shares its engine
         groups.append({"params": trainable_parameters(models.value_head), "lr": critic_lr})
-    actor = TorchEngine(groups, t.betas, t.weight_decay, t.grad_clip)
+    precision = Precision.of(cfg)
+    actor = TorchEngine(groups, t.betas, t.weight_decay, t.grad_clip, precision)
     critic = None
     if models.critic is not None:
         critic = TorchEngine([{"params": trainable_parameters(models.critic), "lr": critic_lr}], t.betas,
-                             t.weight_decay, t.grad_clip)
+                             t.weight_decay, t.grad_clip, precision)
     return actor, critic
 
 

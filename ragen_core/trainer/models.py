@@ -130,9 +130,23 @@ def build_policy_models(cfg: ExperimentConfig, base: nn.Module | None = None) ->
         _enable_checkpointing(unwrap_lora(actor))
         if critic is not None:
             _enable_checkpointing(unwrap_lora(critic.backbone))
+    fp32_masters(actor, critic, value_head)
     models = PolicyModels(actor, critic, value_head, ref, acfg.uses_reference, mcfg.lora_rank > 0)
     models.train()
     return models
+
+
+def fp32_masters(*modules: nn.Module | None) -> None:
+    """Trained weights in float32, whatever dtype the model was loaded in: an optimizer step on bf16 weights
+    rounds away any update below the weight's precision (about 1/256 of it: at lr 1e-6 nearly all of them).
+    The frozen weights (a LoRA base, the reference) keep their dtype; peft casts between the two, and
+    trainer.precision=bf16 computes under autocast."""
+    for module in modules:
+        if module is None:
+            continue
+        for p in module.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
 
 
 def critic_values(

@@ -1,0 +1,70 @@
+"""trainer.precision: bf16 mixed precision keeps fp32 master weights, so the paper's lr 1e-6 still moves them.
+
+An AdamW step on bf16 weights rounds away every update below about 1/256 of the weight (bf16 keeps 8 bits of
+mantissa); Adam's first step moves each weight by about lr, so at lr 1e-6 almost nothing would change. With
+fp32 masters and bf16 autocast the step moves the weights by what the fp32 run moves them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragen_core.trainer import init_state, update
+from ragen_core.trainer import models as trainer_models
+from tests.conftest import require_module
+from tests.unit.trainer.conftest import make_batch, make_cfg
+
+LR = ["trainer.actor_lr=1e-6", "trainer.critic_lr=1e-6"]
+
+
+def moved(*overrides: str) -> tuple[float, torch.dtype]:
+    """Sum of |w_after - w_before| over the actor's trained weights after one update at lr 1e-6, and their dtype."""
+    cfg = make_cfg("starpo-s", *LR, *overrides)
+    state = init_state(cfg)
+    params = [p for p in state.models.actor.parameters() if p.requires_grad]
+    before = [p.detach().float().clone() for p in params]
+    stats = update(state, make_batch(), cfg)
+    assert stats.optimizer_steps == 1
+    delta = sum(float((p.detach().float() - b).abs().sum()) for p, b in zip(params, before, strict=True))
+    return delta, params[0].dtype
+
+
+def test_bf16_mixed_precision_moves_the_weights_as_fp32_does_at_lr_1e6() -> None:
+    fp32, fp32_dtype = moved()
+    bf16, bf16_dtype = moved("model.dtype=bfloat16", "trainer.precision=bf16")
+    assert fp32_dtype == bf16_dtype == torch.float32  # master weights
+    print(f"sum |dw| at lr 1e-6: fp32 {fp32:.4g}, bf16 mixed {bf16:.4g}")
+    assert bf16 == pytest.approx(fp32, rel=0.1)
+
+
+def test_the_trap_adamw_on_bf16_weights_rounds_the_update_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the trainer did before fp32 masters: the same update straight on bf16 weights.
+    fp32, _ = moved()
+    monkeypatch.setattr(trainer_models, "fp32_masters", lambda *modules: None)
+    trapped, dtype = moved("model.dtype=bfloat16", "trainer.precision=bf16")
+    print(f"sum |dw| at lr 1e-6: fp32 {fp32:.4g}, AdamW on bf16 weights {trapped:.4g}")
+    assert dtype == torch.bfloat16 and trapped < 0.1 * fp32
+
+
+def test_lora_keeps_a_bf16_base_and_trains_fp32_adapters() -> None:
+    cfg = make_cfg("starpo-s", *LR, "model.dtype=bfloat16", "trainer.precision=bf16", "model.lora_rank=4")
+    state = init_state(cfg)
+    dtypes = {(p.requires_grad, p.dtype) for p in state.models.actor.parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+    assert update(state, make_batch(), cfg).optimizer_steps == 1
+
+
+def test_forwards_run_under_bf16_autocast_only_with_precision_bf16() -> None:
+    a = torch.randn(4, 4)
+    for precision, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        state = init_state(make_cfg("starpo-s", f"trainer.precision={precision}"))
+        assert state.actor_engine.forward(torch.mm, a, a).dtype == want
+
+
+def test_deepspeed_bf16_moves_the_weights_as_the_torch_engine_does() -> None:
+    require_module("deepspeed", "the DeepSpeed engine (a dev dependency, in locks/cpu.txt)")
+    torch_bf16, _ = moved("model.dtype=bfloat16", "trainer.precision=bf16")
+    ds_bf16, dtype = moved("model.dtype=bfloat16", "trainer.precision=bf16", "trainer.backend=deepspeed")
+    assert dtype == torch.float32
+    assert ds_bf16 == pytest.approx(torch_bf16, rel=1e-3)
