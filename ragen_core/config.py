@@ -235,6 +235,17 @@ class AlgorithmConfig:
     filter_on: Literal["return", "total"] = F(
         "return", "what the filter's in-group std is taken of: return = raw env return (penalties excluded); "
                   "total = env return + format penalties, group-normalised under grpo (the reference's)")
+    old_logprobs: Literal["rollout", "recompute"] = F(
+        "rollout", "PPO's old log-probs: the rollout engine's (as sampled), or the trainer's own, recomputed by one "
+                   "forward before the update (vLLM and the trainer differ in kernels and precision)")
+    tis_cap: float | None = F(None, "truncated importance sampling: weight each token's policy loss by "
+                                    "min(pi_trainer / pi_rollout, cap); needs old_logprobs recompute; None: off",
+                              ge=1.0)
+
+    def __post_init__(self) -> None:
+        if self.tis_cap is not None and self.old_logprobs != "recompute":
+            raise ConfigError("tis_cap: truncated importance sampling weighs the trainer's log-probs against the "
+                              "rollout's; set algorithm.old_logprobs=recompute")
 
     @property
     def filters(self) -> bool:

@@ -135,6 +135,7 @@ def policy_loss(
     dual_clip: float | None = 3.0,
     agg: str = "token-mean",
     normaliser: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clipping and dual clip (SPEC §4; DAPO clip-higher; dual-clip PPO).
 
@@ -144,7 +145,8 @@ def policy_loss(
         L = max(−A·r, −A·clip(r, 1 − clip_low, 1 + clip_high)),
     and for A < 0 additionally L = min(L, −A·dual_clip), which bounds the loss
     (and zeroes the gradient) of a token whose ratio ran far above 1. ``dual_clip``
-    None turns it off. L is reduced with ``AGGREGATIONS[agg]`` and ``normaliser``.
+    None turns it off. ``token_weights`` ([B, T], no gradient: :func:`truncated_is_weights`) multiply L per
+    token. L is reduced with ``AGGREGATIONS[agg]`` and ``normaliser``.
     The log ratio is clamped to ±20 before exp (no gradient beyond). Pass
     advantages detached; [B] advantages must be broadcast to [B, T] first.
     stats (0-dim detached tensors, token means over mask):
@@ -164,6 +166,9 @@ def policy_loss(
     negative = advantages < 0  # [B, T]
     if dual_clip is not None:
         per_token = torch.where(negative, torch.minimum(per_token, -advantages * dual_clip), per_token)
+    if token_weights is not None:
+        _check_same_shape(logprobs=logprobs, token_weights=token_weights)
+        per_token = per_token * token_weights.detach()
     loss = reduce(per_token, mask, normaliser)
     with torch.no_grad():
         r = ratio.detach()
@@ -312,3 +317,19 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     """
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [B, T]
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def truncated_is_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling between the rollout engine and the trainer (TIS, as TRL and verl use it).
+
+    The tokens were sampled by the rollout engine (vLLM, or the hf generator) while PPO's ratio is taken against
+    the trainer's own log-probs of the same weights (``old_logprobs: recompute``); where kernels and precision
+    differ the two policies differ. Each token's loss is weighted by
+        w = min(exp(trainer_logprobs − rollout_logprobs), cap),
+    the ratio π_trainer / π_rollout truncated at ``cap`` (no gradient). [B, T] -> [B, T].
+    """
+    if cap < 1.0:
+        raise ValueError(f"the truncation cap must be >= 1, got {cap}")
+    _check_same_shape(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs)
+    with torch.no_grad():
+        return torch.exp((trainer_logprobs - rollout_logprobs).clamp(-20.0, 20.0)).clamp(max=cap)

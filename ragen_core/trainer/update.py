@@ -47,6 +47,7 @@ Run the tests with ``python -m pytest tests/unit/trainer -q``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -207,6 +208,46 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _recompute_logprobs(state: TrainState, batch: TokenBatch, cfg: ExperimentConfig) -> torch.Tensor:
+    """The trainer's log-probs [B, T] of the batch's tokens under the weights that sampled them (before any step
+    of this update), micro-batched, no gradients; 0 where the loss mask is off."""
+    out, width, device = [], batch.input_ids.shape[1], state.models.device
+    for s in micro_slices(batch.batch_size, cfg.trainer.micro_batch_size):
+        micro = _on(batch.select(torch.arange(s.start, s.stop)), device)
+        lp = state.actor_engine.forward(policy_forward, state.models.actor, micro.input_ids, micro.attention_mask,
+                                        cfg.rollout.temperature, cfg.trainer.logprob_chunk, entropy_grad=False,
+                                        scored=micro.loss_mask).logprobs
+        out.append(_pad_to(torch.where(micro.loss_mask, lp.float(), 0.0).cpu(), width))
+    return torch.cat(out)
+
+
+def _gap_metrics(gap: _Gap) -> dict[str, float]:
+    """``rollout/logprob_gap_mean`` and ``_max``: |trainer − rollout| log-prob over the generated tokens (of every
+    rank, under data parallel)."""
+    total, count, top = gap.total, gap.count, gap.top
+    if distributed.world_size() > 1:
+        parts = distributed.all_gather((total, count, top))
+        total, count, top = sum(p[0] for p in parts), sum(p[1] for p in parts), max(p[2] for p in parts)
+    if count == 0:
+        return {}
+    return {"rollout/logprob_gap_mean": total / count, "rollout/logprob_gap_max": top}
+
+
+class _Gap:
+    """Running sum, count and max of |trainer − rollout| log-probs over generated tokens."""
+
+    def __init__(self) -> None:
+        self.total, self.count, self.top = 0.0, 0, 0.0
+
+    def add(self, trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
+        diff = (trainer.detach().float() - rollout.float()).abs()[mask]
+        if diff.numel():
+            self.total += float(diff.sum())
+            self.count += int(diff.numel())
+            self.top = max(self.top, float(diff.max()))
+
+
+@torch.no_grad()
 def _rollout_side(
     state: TrainState, batch: TokenBatch, cfg: ExperimentConfig
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -300,6 +341,13 @@ def update(
     mini_batches = mini_batch_rows(batch.batch_size, tr.mini_batch_rows, tr.online_k)
     models.train()
     batch = _on(batch, torch.device("cpu"))  # bookkeeping on CPU; micro-batches go to the model's device
+    gap, tis = _Gap(), None
+    if algo.old_logprobs == "recompute":  # PPO's ratio against the trainer's own old policy
+        trainer_lp = _recompute_logprobs(state, batch, cfg)
+        gap.add(trainer_lp, batch.old_logprobs, batch.loss_mask)
+        if algo.tis_cap is not None:
+            tis = losses.truncated_is_weights(trainer_lp, batch.old_logprobs.float(), algo.tis_cap)
+        batch = dataclasses.replace(batch, old_logprobs=trainer_lp)
     old_values, ref_logprobs = _rollout_side(state, batch, cfg)
     rewards = _token_rewards(batch, ref_logprobs, algo)
     advantages, returns = compute_advantages(batch, rewards, old_values, algo)
@@ -310,8 +358,10 @@ def update(
     steps = 0
     for _ in range(tr.ppo_epochs):
         for mb_rows in mini_batches:
+            # the first mini-batch's forward runs on the weights that sampled: it measures the rollout gap
             _mini_batch_step(state, batch, mb_rows, advantages, returns if train_critic else None,
-                             old_values, ref_logprobs, cfg, meter)
+                             old_values, ref_logprobs, cfg, meter, tis,
+                             gap if steps == 0 and algo.old_logprobs == "rollout" else None)
             steps += 1
     if state.actor_engine.data_parallel[1] > 1:
         meter.add_up_ranks()
@@ -323,6 +373,9 @@ def update(
         if key.endswith("grad_norm"):
             metrics[key + "_max"] = max(values)
     metrics.update(_batch_metrics(batch, advantages, returns, old_values, think_tokens))
+    metrics.update(_gap_metrics(gap))
+    if tis is not None:
+        metrics["actor/tis_weight_mean"] = float(masked_mean(tis, batch.loss_mask))
     if ref_logprobs is not None and algo.kl_in_reward:  # KL of the rollout policy to the reference
         kl = losses.kl_penalty(batch.old_logprobs, ref_logprobs, algo.kl_estimator)
         metrics["actor/kl_ref"] = float(masked_mean(kl, batch.loss_mask))
@@ -345,13 +398,17 @@ def _mini_batch_step(
     ref_logprobs: torch.Tensor | None,
     cfg: ExperimentConfig,
     meter: _Meter,
+    tis: torch.Tensor | None = None,
+    gap: _Gap | None = None,
 ) -> None:
-    """One optimizer step on ``rows``: accumulate micro-batch gradients, then clip and step once."""
+    """One optimizer step on ``rows``: accumulate micro-batch gradients, then clip and step once. ``tis``: the
+    batch's truncated importance weights [B, T]; ``gap``: measures |forward − old| log-probs (before the step)."""
     algo, models, device = cfg.algorithm, state.models, state.models.device
     mb = batch.select(rows)
     width = mb.input_ids.shape[1]
     mb_adv = _take(advantages, rows, width).to(device)
     mb_ref = None if ref_logprobs is None else _take(ref_logprobs, rows, width).to(device)
+    mb_tis = None if tis is None else _take(tis, rows, width).to(device)
     mb_critic = None  # (old values, returns) of the rows when the critic trains
     if returns is not None:
         assert old_values is not None, "update() passes returns only together with old values (train_critic)"
@@ -378,7 +435,7 @@ def _mini_batch_step(
             head_targets = (mb_values[idx, :w], mb_ret[idx, :w], norm)
         loss, pg_loss, head = state.actor_engine.forward(
             _actor_loss, models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w], cfg, norm,
-            micro_meter, head_targets)
+            micro_meter, head_targets, None if mb_tis is None else mb_tis[idx, :w], gap if weight else None)
         totals["actor/pg_loss"] += float(pg_loss) * weight
         if head is not None:
             totals["critic/value_loss"] += float(head[0]) * weight
@@ -408,6 +465,8 @@ def _actor_loss(
     normaliser: float,
     meter: _Meter,
     head_targets: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    tis: torch.Tensor | None = None,
+    gap: _Gap | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]] | None]:
     """Policy loss − entropy_coef·entropy (+ kl_coef·KL) of one micro-batch, as its share of the mini-batch.
 
@@ -420,7 +479,9 @@ def _actor_loss(
                          cfg.trainer.logprob_chunk, entropy_grad=algo.entropy_coef > 0, scored=mask)
     pg_loss, pg_stats = losses.policy_loss(
         out.logprobs, micro.old_logprobs, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-        dual_clip=algo.dual_clip, agg=algo.loss_agg, normaliser=normaliser)
+        dual_clip=algo.dual_clip, agg=algo.loss_agg, normaliser=normaliser, token_weights=tis)
+    if gap is not None:
+        gap.add(out.logprobs, micro.old_logprobs, mask)
     aggregate = losses.AGGREGATIONS[algo.loss_agg]
     loss = pg_loss - algo.entropy_coef * aggregate(out.entropy, mask, normaliser)
     n_tok = float(mask.sum())

@@ -95,6 +95,11 @@ def test_train_flow_runs_with_the_vllm_backend(data_dir) -> None:
     rows = RunDir.find("smoke-vllm").read_history()
     assert [r["iteration"] for r in rows if "rollout/update_skipped" in r] == [0, 1]
     assert all(r["perf/generated_tokens"] > 0 for r in rows if "perf/generated_tokens" in r)
+    updated = [r for r in rows if r.get("rollout/update_skipped") == 0]
+    # the engine-trainer log-prob gap of the sampled tokens, measured by the update's first forward
+    assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in updated) and all("rollout/logprob_gap_mean" in r
+                                                                            for r in updated)
+    print("vLLM vs trainer log-prob gap (max per iteration):", [r["rollout/logprob_gap_max"] for r in updated])
     client = mlflow.MlflowClient(f"sqlite:///{data_dir / 'mlflow.db'}")
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.params.get("rollout.backend") == "vllm"

@@ -237,3 +237,24 @@ def test_no_argument_mutated() -> None:
         agg(lp, mask, 3.0)
     for x, c in zip(inputs, copies, strict=True):
         assert torch.equal(x, c)
+
+
+def test_truncated_importance_sampling_weights_golden() -> None:
+    # w = min(exp(trainer − rollout), cap): ratios e^0.5 = 1.6487, e^-1 = 0.3679, e^2 = 7.389 -> capped at 2
+    trainer = torch.tensor([[-1.0, -3.0, -0.5]])
+    rollout = torch.tensor([[-1.5, -2.0, -2.5]])
+    w = losses.truncated_is_weights(trainer, rollout, cap=2.0)
+    assert w[0].tolist() == pytest.approx([math.exp(0.5), math.exp(-1.0), 2.0])
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        losses.truncated_is_weights(trainer, rollout, cap=0.5)
+
+
+def test_policy_loss_token_weights_multiply_each_token() -> None:
+    # two tokens, A = 1, r = 1 (loss −1 each): weights 0.5 and 2 -> token-mean (−0.5 − 2) / 2 = −1.25;
+    # the gradient of token i is −A·r·w_i / 2
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = losses.policy_loss(logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                                 agg="token-mean", token_weights=torch.tensor([[0.5, 2.0]]))
+    loss.backward()
+    assert float(loss) == pytest.approx(-1.25)
+    assert logprobs.grad[0].tolist() == pytest.approx([-0.25, -1.0])

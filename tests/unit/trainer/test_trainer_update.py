@@ -401,3 +401,54 @@ def test_recorded_old_values_spare_the_critic_forward_and_give_the_same_update()
     assert calls == [2 * (8 // 2), 8 // 2]
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _trainer_logprobs(state, batch, cfg) -> torch.Tensor:
+    out = policy_forward(state.models.actor, batch.input_ids, batch.attention_mask, cfg.rollout.temperature,
+                         cfg.trainer.logprob_chunk, entropy_grad=False, scored=batch.loss_mask)
+    return torch.where(batch.loss_mask, out.logprobs.detach(), 0.0)
+
+
+def test_the_rollout_gap_is_logged_in_both_old_logprob_modes_and_recompute_starts_at_ratio_one() -> None:
+    # make_batch's old log-probs are random (another engine's): the gap is |trainer - rollout| over generated tokens
+    batch = make_batch()
+    stats = {}
+    for mode in ("rollout", "recompute"):
+        cfg = make_cfg("starpo-s", f"algorithm.old_logprobs={mode}")
+        state = init_state(cfg)
+        want = (_trainer_logprobs(state, batch, cfg) - batch.old_logprobs).abs()[batch.loss_mask]
+        stats[mode] = update(state, batch, cfg).metrics
+        assert stats[mode]["rollout/logprob_gap_mean"] == pytest.approx(float(want.mean()), rel=1e-4)
+        assert stats[mode]["rollout/logprob_gap_max"] == pytest.approx(float(want.max()), rel=1e-4)
+    # against its own log-probs the first step's ratio is 1: nothing is clipped; against random ones it is not
+    assert stats["recompute"]["actor/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert stats["rollout"]["actor/approx_kl"] > 0.01
+
+
+def test_truncated_importance_sampling_weights_the_loss_by_the_capped_engine_ratio() -> None:
+    batch = make_batch()
+    cfg = make_cfg("starpo-s", "algorithm.old_logprobs=recompute", "algorithm.tis_cap=2.0")
+    state = init_state(cfg)
+    trainer = _trainer_logprobs(state, batch, cfg)
+    weights = losses.truncated_is_weights(trainer, batch.old_logprobs, 2.0)
+    stats = update(state, batch, cfg)
+    from ragen_core.algos.masked import masked_mean
+
+    assert stats.metrics["actor/tis_weight_mean"] == pytest.approx(float(masked_mean(weights, batch.loss_mask)),
+                                                                   rel=1e-4)
+    # when the engine sampled with the trainer's own log-probs every weight is 1: the same update as without TIS
+    same = batch.__class__(**{**batch.__dict__, "old_logprobs": trainer})
+    moved = []
+    for extra in ([], ["algorithm.tis_cap=2.0"]):
+        c = make_cfg("starpo-s", "algorithm.old_logprobs=recompute", *extra)
+        s = init_state(c)
+        update(s, same, c)
+        moved.append(_params(s.models.actor))
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(*moved, strict=True))
+
+
+def test_tis_without_recomputed_old_logprobs_is_refused() -> None:
+    from ragen_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="old_logprobs=recompute"):
+        make_cfg("starpo-s", "algorithm.tis_cap=2.0")
