@@ -202,6 +202,10 @@ class DeepSpeedEngine:
             # 1- vs 2-process weights of tests/flows/test_train_ranks.py after a ZeRO-3 test had run.
             "zero_optimization": {"memory_efficient_linear": False, **extra.get("zero_optimization", {}),
                                   "stage": zero_stage},
+            # ZeRO-Offload (offload_optimizer) steps the client optimizer on the host copies of the fp32 partitions:
+            # torch's fused AdamW does (the same math as every other stage); DeepSpeed refuses any optimizer but its
+            # own CPUAdam there unless told otherwise
+            "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": extra.get("steps_per_print", 2**62),
             "wall_clock_breakdown": extra.get("wall_clock_breakdown", False),
         }

@@ -42,6 +42,10 @@ def deepspeed_installed() -> None:
     require_module("deepspeed", "the deepspeed backend needs deepspeed (a dev dependency, in locks/cpu.txt)")
 
 
+OFFLOAD = "trainer.deepspeed.zero_optimization.offload_optimizer.device=cpu"
+"""The README's example: ZeRO-Offload of the optimizer state to host memory (torch AdamW runs there)."""
+
+
 def _ds(stage: int) -> list[str]:
     # ZeRO-3 keeps parameters under 1e5 elements whole by default, i.e. all of the tiny model's: threshold 0
     # makes it partition (and gather around each use) every one of them, as it does a real model's big ones.
@@ -91,8 +95,9 @@ def test_rank_micro_rows_split_each_block_between_ranks() -> None:
 @pytest.mark.parametrize(
     ("stage", "overrides"),
     [(0, []), (1, []), (2, []), (2, ["algorithm.critic=head"]), (3, []), (3, ["algorithm.critic=head"]),
-     (3, ["model.lora_rank=4"])],
-    ids=["zero0", "zero1", "zero2", "zero2-value-head", "zero3", "zero3-value-head", "zero3-lora"],
+     (3, ["model.lora_rank=4"]), (2, [OFFLOAD]), (3, [OFFLOAD])],
+    ids=["zero0", "zero1", "zero2", "zero2-value-head", "zero3", "zero3-value-head", "zero3-lora",
+         "zero2-offload", "zero3-offload"],
 )
 def test_update_matches_torch_backend(stage: int, overrides: list[str]) -> None:
     # Two optimizer steps (online_k=2) of 4 micro-batches each; starpo has a separate critic and a KL reference.
