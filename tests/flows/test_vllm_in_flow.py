@@ -46,13 +46,17 @@ def _vllm_logprobs(generator, ids: list[int], start: int) -> torch.Tensor:
     return torch.tensor([rows[t][ids[t]].logprob for t in range(start, len(ids))])
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_vllm_holds_the_trainers_weights_after_each_update(data_dir, monkeypatch, lora: bool) -> None:
+@pytest.mark.parametrize(("lora", "model"), [(False, "tiny-random"), (True, "tiny-random"), (False, "tiny-qwen2"),
+                                             (True, "tiny-qwen2-untied")],
+                         ids=["full", "lora", "qwen2-tied-full", "qwen2-untied-lora"])
+def test_vllm_holds_the_trainers_weights_after_each_update(data_dir, monkeypatch, lora: bool, model: str) -> None:
+    # Qwen2 (the paper's family): attention biases, and a head tied to the embedding through vLLM's reload
     from ragen_core import session
     from ragen_core.tracking import NullLogger
 
     overrides = ["rollout.backend=vllm", "trainer.actor_lr=1e-2", "trainer.iterations=1", "eval.every=0",
-                 "trainer.checkpoint_every=0", *(["model.lora_rank=8", "model.lora_alpha=16"] if lora else [])]
+                 "trainer.checkpoint_every=0", f"model.name={model}",
+                 *(["model.lora_rank=8", "model.lora_alpha=16"] if lora else [])]
     cfg = load_experiment(SMOKE, overrides)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads = torch.get_num_threads()

@@ -23,7 +23,8 @@ when the weights changed (``update_weights``, or the parameters' version counter
 step or ``load_state_dict`` moves them). They
 follow a peft LoRA wrapper: the active adapters are merged into the fused copies
 (``merged_state_dict``), the model is left as it is. :func:`decode_step_for` returns None for a model
-this step does not cover (not Llama-shaped, biases, another activation, ZeRO-3 partitioned weights),
+this step does not cover (not Llama- or Qwen2-shaped, MLP biases, a sliding window, another activation,
+ZeRO-3 partitioned weights),
 and the generator then uses ``model.forward``. Results equal ``model.forward`` up to float rounding
 (the tests check the logits and the sampled log-probs against it and against a full re-prefill).
 
@@ -43,7 +44,8 @@ from ragen_core.rollout.generators.cpu_attention import Shared, decode_attention
 
 __all__ = ["LlamaDecodeStep", "SharedPrefix", "decode_step_for"]
 
-_MODEL_TYPES = ("llama",)
+_MODEL_TYPES = ("llama", "qwen2")
+"""Llama, and Qwen2: Llama's layers with biases on the q, k and v projections (the paper's model family)."""
 
 
 @dataclass
@@ -124,6 +126,8 @@ class _Layer:
     norm2: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 I, H]
     down: torch.Tensor  # [H, I]
+    qkv_bias: torch.Tensor | None = None  # [(nh + 2 nkv) d]: Qwen2's (Llama's with attention_bias)
+    o_bias: torch.Tensor | None = None  # [H]: Llama's with attention_bias
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -138,7 +142,7 @@ def decode_step_for(model: torch.nn.Module) -> LlamaDecodeStep | None:
     config = getattr(base, "config", None)
     if config is None or getattr(config, "model_type", None) not in _MODEL_TYPES:
         return None
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+    if getattr(config, "mlp_bias", False) or getattr(config, "use_sliding_window", False):
         return None
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return None
@@ -193,6 +197,7 @@ class LlamaDecodeStep:
             self._layers = []
             for i in range(n):
                 p = f"{prefix}layers.{i}."
+                biases = [b for x in "qkv" if (b := sd.get(p + f"self_attn.{x}_proj.bias")) is not None]
                 self._layers.append(_Layer(
                     norm1=sd[p + "input_layernorm.weight"],
                     qkv=torch.cat([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
@@ -201,6 +206,8 @@ class LlamaDecodeStep:
                     norm2=sd[p + "post_attention_layernorm.weight"],
                     gate_up=torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]).contiguous(),
                     down=sd[p + "mlp.down_proj.weight"],
+                    qkv_bias=torch.cat(biases).contiguous() if len(biases) == 3 else None,
+                    o_bias=sd.get(p + "self_attn.o_proj.bias"),
                 ))
             self._embed = sd[prefix + "embed_tokens.weight"]
             self._final_norm = sd[prefix + "norm.weight"]
@@ -220,10 +227,10 @@ class LlamaDecodeStep:
                 self._head = head
         self._stale = False
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-        return F.linear(x, weight)
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
 
     # ------------------------------------------------------------------ the step
 
@@ -262,7 +269,7 @@ class LlamaDecodeStep:
         k_end = (nh + nkv) * d
         for i, (layer, kv) in enumerate(zip(self._layers, cast(list[Any], cache.layers), strict=True)):
             h = self._rms(x, layer.norm1)
-            qkv = self._linear(h, layer.qkv)  # [B, (nh + 2 nkv) d]
+            qkv = self._linear(h, layer.qkv, layer.qkv_bias)  # [B, (nh + 2 nkv) d]
             qk = qkv[:, :k_end].view(b, nh + nkv, 1, d)
             qk = qk * cos + _rotate_half(qk) * sin  # rotary on the query and key heads at once
             q, k = qk[:, :nh], qk[:, nh:]
@@ -282,7 +289,7 @@ class LlamaDecodeStep:
                 a = fused[0]  # [B, nkv, nh // nkv, d]: the fused kernel of cpu_attention.py
             else:
                 a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
-            x = x + self._linear(a.reshape(b, nh * d), layer.o)
+            x = x + self._linear(a.reshape(b, nh * d), layer.o, layer.o_bias)
             h = self._rms(x, layer.norm2)
             gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + self._linear(F.silu(gate) * up, layer.down)

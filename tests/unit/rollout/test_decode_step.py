@@ -140,8 +140,8 @@ def test_an_architecture_it_does_not_cover_falls_back_to_model_forward() -> None
     assert decode_step_for(gpt2) is None
     biased = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
                                           num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                                          attention_bias=True))
-    assert decode_step_for(biased) is None
+                                          mlp_bias=True))
+    assert decode_step_for(biased) is None  # attention biases are covered (Qwen2: tests/unit/test_qwen2.py)
     zero3, _ = tiny_random(seed=0)
     next(zero3.parameters()).ds_id = 0  # what DeepSpeed ZeRO-3 sets on the weights it partitions
     assert decode_step_for(zero3) is None
