@@ -276,3 +276,23 @@ def test_a_sweep_name_follows_the_run_name_rule(tmp_path) -> None:
     write(tmp_path, "preset: starpo-s\n", "base.yaml")
     with pytest.raises(ConfigError, match=r"^name: bad run name '\.\./escape'"):
         load_sweep(write(tmp_path, "name: ../escape\nbase: base.yaml\n", "sw.yaml"))
+
+
+def test_the_paper_scale_qwen_files_hold_the_papers_settings() -> None:
+    # Qwen2.5-0.5B-Instruct as the paper trained it: full fine-tuning, actor lr 1e-6, critic lr 1e-5, no warm-up,
+    # P x N = 8 x 16, 200 iterations; bf16 mixed precision and vLLM rollouts on the GPU
+    from pathlib import Path
+
+    from ragen_core.config import load_experiment
+    from ragen_core.sweeps import plan_sweep
+
+    root = Path(__file__).resolve().parents[2]
+    for env in ("bandit", "sokoban", "frozenlake"):
+        cfg = load_experiment(root / "experiments" / f"qwen-{env}-starpo-s.yaml")
+        assert (cfg.model.name, cfg.model.lora_rank, cfg.model.warmup) == ("Qwen/Qwen2.5-0.5B-Instruct", 0, "none")
+        assert (cfg.trainer.actor_lr, cfg.trainer.critic_lr, cfg.trainer.iterations) == (1e-6, 1e-5, 200)
+        assert (cfg.rollout.prompts_per_iter, cfg.rollout.responses_per_prompt) == (8, 16)
+        assert (cfg.trainer.precision, cfg.rollout.backend, cfg.preset) == ("bf16", "vllm", "starpo-s")
+    study = plan_sweep(root / "studies" / "echo-trap-qwen.yaml")
+    assert study.target == 18 and study.sweep.dispatch == "deployment"
+    assert plan_sweep(root / "sweeps" / "table2-qwen.yaml").target == 6
