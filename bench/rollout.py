@@ -27,6 +27,9 @@ The last line printed is one JSON object:
                  prefilled once, and the decode steps read each prompt's keys once per group (cascade
                  attention, decode_step.SharedPrefix).
   hf_vs_vllm     hf rollout tok/s / vLLM's on the same rollout (1 / vllm_speedup). Target >= 1.2.
+  vllm_sync_memory_s, vllm_sync_disk_s  one iteration's weight sync into the vLLM engine (the default model's
+                 fp32 state dict): handed over in memory, against a safetensors file written and reloaded (what an
+                 engine in another process needs); ``sync_disk_over_memory`` is their ratio.
   cache_reuse_max_logprob_diff  largest |logprob difference| between the reuse and the naive rollout
                  over the same sampled tokens (must be <= 1e-4), plus counters of both runs.
 Timings depend on machine load: other processes on the same cores slow everything, ratios less so.
@@ -210,9 +213,27 @@ def vllm_worker(args: argparse.Namespace) -> dict[str, Any]:
         "vllm_generated_tokens": generated(rec),
         "vllm_rollout_tok_s": generated(rec) / seconds,
         "vllm_stats": gen.stats,
+        **weight_sync_seconds(gen),
     }
     gen.close()
     return result
+
+
+def weight_sync_seconds(gen: Any, repeats: int = 3) -> dict[str, Any]:
+    """The trainer -> engine weight sync of one iteration, the default model's whole state dict in fp32: in memory
+    (the tensors handed to the in-process engine's load_weights) against through the disk (a safetensors file
+    written and reloaded, what a multi-process engine needs); best of ``repeats`` each, same engine."""
+    from ragen_core.models import DEFAULT_MODEL, load_model
+
+    model = load_model(DEFAULT_MODEL)
+    best: dict[str, float] = {}
+    for mode in ["memory", "disk"] * repeats:
+        gen.weight_sync = mode
+        before = gen.stats["sync_seconds"]
+        gen.update_weights(model)
+        best[mode] = min(best.get(mode, float("inf")), gen.stats["sync_seconds"] - before)
+    return {"vllm_sync_memory_s": round(best["memory"], 3), "vllm_sync_disk_s": round(best["disk"], 3),
+            "sync_disk_over_memory": round(best["disk"] / best["memory"], 2)}
 
 
 def run_vllm(args: argparse.Namespace, max_len: int) -> tuple[dict[str, Any] | None, str | None]:

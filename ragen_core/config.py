@@ -183,8 +183,12 @@ class RolloutConfig:
     fast_decode: bool = F(True, "hf backend: decode Llama-family models with ragen's own step on oneDNN-packed "
                                 "weights (decode ~1.4x faster on CPU at 64 rows; log-probs equal model.forward's "
                                 "to float rounding); false: model.forward")
-    vllm_gpu_memory: float = F(0.3, "vllm backend on CUDA: share of the GPU's memory its engine may take (the "
-                                    "trainer needs the rest; vLLM's own default, 0.9, leaves it none)", gt=0, le=1)
+    vllm_gpu_memory: float | None = F(
+        None, "vllm backend on CUDA: share of the GPU's memory its engine may take (the trainer needs the rest; "
+              "vLLM's own default, 0.9, leaves it none); None: sized from the model and the card (the weights, the "
+              "KV cache of one rollout batch at full context, 1 GiB more), at most 0.9", gt=0, le=1)
+    vllm_sleep: bool = F(False, "vllm backend on CUDA: put the engine to sleep around each update (its weights "
+                                "and KV cache leave the GPU while the trainer runs)")
     system_prompt: str = F(
         "You're a helpful assistant. You always respond by giving your reasoning and then your answer.",
         "system message of every dialogue",

@@ -249,10 +249,12 @@ def evaluate_target(
     ev, n_seeds = cfg.eval, seeds or cfg.eval.seeds
     actor, tokenizer = load_policy(cfg, target.weights)
     max_len = cfg.model.max_length or getattr(actor.config, "max_position_embeddings", None)
+    # the same engine settings as the training session's (an explicit GPU memory share for vLLM)
+    from ragen_core.rollout.engine_settings import generator_kwargs  # lazily: torch (see load_policy)
+    from ragen_core.trainer.models import resolve_device
+
     generator = make_generator(cfg.rollout.backend, actor, tokenizer,
-                               **({"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len,
-                                     "fast_decode": cfg.rollout.fast_decode}
-                                  if cfg.rollout.backend == "hf" else {}))
+                               **generator_kwargs(cfg, actor, resolve_device(cfg.model.device), max_len))
     started = time.perf_counter()
     # Same seeds, temperature and sampling seed as the in-training evaluation (session.evaluate_policy).
     result = evaluate(envs, generator, tokenizer, cfg.rollout, heldout_seeds(n_seeds, ev.seed_start), ev.samples,

@@ -50,6 +50,7 @@ from ragen_core.algos.collapse import MI_ZSCORE_EPS
 from ragen_core.config import ConfigError, ExperimentConfig, load_experiment, to_dict
 from ragen_core.models import causal_lm, load_model, load_tokenizer, resolve_model
 from ragen_core.rollout.batch import build_token_batch
+from ragen_core.rollout.engine_settings import generator_kwargs
 from ragen_core.rollout.evaluate import evaluate, heldout_seeds
 from ragen_core.rollout.generators import Generator, make_generator
 from ragen_core.rollout.loop import run_rollouts
@@ -264,12 +265,8 @@ def open_session(
                    else [r for r in folder.read_history() if int(r.get("iteration", 0)) < state.iteration])
     tokenizer = load_tokenizer(model_spec)
     max_len = cfg.model.max_length or getattr(state.models.actor.config, "max_position_embeddings", None)
-    if cfg.rollout.backend == "hf":
-        engine_kw = {"cache_reuse": cfg.rollout.cache_reuse, "max_length": max_len,
-                     "fast_decode": cfg.rollout.fast_decode, "value_head": _rollout_value_head(state)}
-    else:  # vLLM: an engine per rank, on that rank's own GPU
-        engine_kw = {"gpu_memory_utilization": cfg.rollout.vllm_gpu_memory,
-                     "device_ids": distributed.engine_devices(resolve_device(cfg.model.device))}
+    engine_kw = generator_kwargs(cfg, state.models.actor, resolve_device(cfg.model.device), max_len,
+                                 value_head=_rollout_value_head(state))  # vLLM: one engine per rank, on its GPU
     with state.full_weights():  # a vLLM generator starts from a saved copy of the actor
         generator = make_generator(cfg.rollout.backend, state.models.actor, tokenizer, **engine_kw)
     if distributed.is_main():
@@ -364,8 +361,15 @@ def update_policy(sess: Session, selection: Selection) -> UpdateStats:
         sess.say(f"[filter] iteration {sess.iteration + 1}: no group kept, update skipped")
         sess.state.iteration += 1
         return UpdateStats(metrics={"rollout/update_skipped": 1.0}, optimizer_steps=0)
-    stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens,
-                   advantage_scale=selection.advantage_scale)
+    asleep = sess.cfg.rollout.vllm_sleep and callable(getattr(sess.generator, "sleep", None))
+    if asleep:  # the engine's weights and KV cache leave the GPU while the trainer runs
+        sess.generator.sleep()  # type: ignore[attr-defined]
+    try:
+        stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens,
+                       advantage_scale=selection.advantage_scale)
+    finally:
+        if asleep:
+            sess.generator.wake()  # type: ignore[attr-defined]
     # The hf generator samples from the actor itself (ZeRO-3 gathers per layer as it runs); a vLLM one
     # copies the weights, so they are gathered whole for it.
     gather = sess.state.full_weights() if sess.cfg.rollout.backend != "hf" else contextlib.nullcontext()

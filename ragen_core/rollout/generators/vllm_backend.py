@@ -13,9 +13,10 @@ so its values are larger than the hf backend's by ``-log(nucleus mass)``. Greedy
 
 Weights: ``update_weights(model)`` pushes the trainer's state dict into the running engine in place
 (``collective_rpc("reload_weights")``) and resets the prefix cache, whose keys/values were made by
-the old weights. On CPU the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
-tensors are handed over without copies and no child process is spawned; with a multi-process engine
-the weights go through a temporary safetensors file. Entry points that start a multi-process
+the old weights. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set unless set: on
+CPU and, as TRL's colocated engines, on CUDA), so the tensors are handed over in memory and no child process
+is spawned; with a multi-process engine (the variable set to 1) the weights go through a temporary
+safetensors file (``weight_sync="disk"``; bench/rollout.py times both). Entry points that start a multi-process
 engine need an ``if __name__ == "__main__":`` guard (vLLM spawns processes).
 
 CPU defaults (set only when unset; measured on a 2-core machine): vLLM binds one core and reserves a
@@ -88,6 +89,8 @@ class VLLMGenerator:
         dtype: str | None = None,
         enforce_eager: bool | None = None,
         kv_cache_gib: int = 4,
+        weight_sync: str | None = None,
+        sleep_mode: bool = False,
         **engine_kw: Any,
     ) -> None:
         """
@@ -98,6 +101,10 @@ class VLLMGenerator:
         seed: the engine's seed (rows of a call seeded with ``SamplingParams.seed`` use their own).
         dtype: vLLM dtype (default float32 on CPU, the model's dtype or "auto" on CUDA).
         enforce_eager: skip graph compilation (default True on CPU).
+        weight_sync: how ``update_weights`` hands the weights over: "memory" (the tensors, to an engine in this
+            process; the default there) or "disk" (a safetensors file; the only way into an engine in another
+            process, the default there).
+        sleep_mode: the engine can :meth:`sleep` (CUDA): its weights and KV cache leave the GPU until :meth:`wake`.
         engine_kw: passed on to ``vllm.LLM`` (``device_ids``: the GPU of this rank, distributed.engine_devices;
             an empty list means vLLM's default, the first visible device).
         """
@@ -105,10 +112,17 @@ class VLLMGenerator:
         if on_cpu:
             for key, value in cpu_env_defaults(kv_cache_gib).items():
                 os.environ.setdefault(key, value)
+        else:  # in this process, as TRL's colocated engines: weights are handed over as tensors, no file
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import vllm  # lazily: optional extra, slow to import
 
         # read now: the engine's process layout is fixed when it starts
         self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.weight_sync = weight_sync or ("memory" if self._in_process else "disk")
+        if self.weight_sync not in ("memory", "disk"):
+            raise ValueError(f"weight_sync must be 'memory' or 'disk', got {weight_sync!r}")
+        if self.weight_sync == "memory" and not self._in_process:
+            raise ValueError("weight_sync 'memory' needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
 
         self._vllm = vllm
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -136,12 +150,14 @@ class VLLMGenerator:
             seed=seed,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
+            enable_sleep_mode=sleep_mode and not on_cpu,
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
             logprobs_mode="processed_logprobs",
             **engine_kw,
         )
         self.max_length = int(self.llm.llm_engine.model_config.max_model_len)
-        self._stats = dict.fromkeys((*STAT_KEYS, "reused_tokens", "calls", "generate_seconds"), 0.0)
+        self._stats = dict.fromkeys((*STAT_KEYS, "reused_tokens", "calls", "generate_seconds", "sync_seconds",
+                                     "syncs"), 0.0)
         if module is not None and self._tmp is None:
             # the directory may hold older weights than the module (e.g. a trainer resumed from a checkpoint)
             self.update_weights(module)
@@ -201,10 +217,12 @@ class VLLMGenerator:
         return result
 
     def update_weights(self, model: torch.nn.Module) -> None:
-        """Load ``model``'s weights into the engine; a LoRA model's adapters are merged into the copy sent."""
+        """Load ``model``'s weights into the engine (``weight_sync``); a LoRA model's adapters are merged into the
+        copy sent. The time it takes adds up in ``stats["sync_seconds"]``."""
+        started = time.perf_counter()
         state = merged_state_dict(model)
-        if self._in_process:
-            # in-process engine: hand the tensors over directly
+        if self.weight_sync == "memory":
+            # in-process engine: the tensors go to the model's load_weights as they are (cast on copy)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
         else:
             # a multi-process engine cannot receive tensors through its RPC; go through a file
@@ -215,6 +233,16 @@ class VLLMGenerator:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         # cached keys/values were computed by the old weights
         self.llm.reset_prefix_cache()
+        self._stats["sync_seconds"] += time.perf_counter() - started
+        self._stats["syncs"] += 1
+
+    def sleep(self) -> None:
+        """Free the GPU for the update: the weights and the KV cache are dropped (level 2); :meth:`update_weights`
+        after :meth:`wake` loads the new weights anyway."""
+        self.llm.sleep(level=2)
+
+    def wake(self) -> None:
+        self.llm.wake_up()
 
     def close(self) -> None:
         """Shut the engine down and remove any temporary model copy."""
