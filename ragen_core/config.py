@@ -187,6 +187,9 @@ class RolloutConfig:
         None, "vllm backend on CUDA: share of the GPU's memory its engine may take (the trainer needs the rest; "
               "vLLM's own default, 0.9, leaves it none); None: sized from the model and the card (the weights, the "
               "KV cache of one rollout batch at full context, 1 GiB more), at most 0.9", gt=0, le=1)
+    vllm_lora: Literal["adapter", "merged"] = F(
+        "adapter", "vllm backend with LoRA: serve the trained adapters through vLLM's LoRA support (the base is "
+                   "loaded once; each sync sends the adapters), or merge them into a full copy sent every sync")
     vllm_sleep: bool = F(False, "vllm backend on CUDA: put the engine to sleep around each update (its weights "
                                 "and KV cache leave the GPU while the trainer runs)")
     system_prompt: str = F(

@@ -52,6 +52,8 @@ class LoraModel(Protocol):
 
     def disable_adapter(self) -> AbstractContextManager[None]: ...
 
+    def save_pretrained(self, save_directory: str, safe_serialization: bool = True) -> None: ...
+
 
 def causal_lm(model: nn.Module) -> CausalLM:
     """``model`` typed as the causal LM it is (a cast: no run-time check)."""

@@ -48,7 +48,7 @@ def generator_kwargs(cfg: ExperimentConfig, model: torch.nn.Module, device: torc
             from ragen_core.config import ConfigError
 
             raise ConfigError("rollout.vllm_sleep: vLLM's sleep mode frees GPU memory; it needs CUDA")
-        return {}
+        return {"lora": r.vllm_lora}
     share = r.vllm_gpu_memory
     if share is None:
         base: Any = getattr(model, "get_base_model", lambda: model)()
@@ -59,4 +59,5 @@ def generator_kwargs(cfg: ExperimentConfig, model: torch.nn.Module, device: torc
         card = torch.cuda.get_device_properties(device.index or 0).total_memory
         share = vllm_memory_share(base.config, n_params, dtype_bytes, rows, context, card)
     return {"gpu_memory_utilization": share, "device_ids": distributed.engine_devices(device),
-            "dtype": "bfloat16" if cfg.trainer.precision == "bf16" else None, "sleep_mode": r.vllm_sleep}
+            "dtype": "bfloat16" if cfg.trainer.precision == "bf16" else None, "sleep_mode": r.vllm_sleep,
+            "lora": r.vllm_lora}

@@ -41,22 +41,27 @@ def _vllm_logprobs(generator, ids: list[int], start: int) -> torch.Tensor:
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-    out = generator.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+    served = generator._lora_request  # the adapters of the last sync, when LoRA is served as adapters
+    out = generator.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False,
+                                 **({"lora_request": served} if served else {}))[0]
     rows = out.prompt_logprobs  # one dict per prompt token (None for the first), keyed by token id
     return torch.tensor([rows[t][ids[t]].logprob for t in range(start, len(ids))])
 
 
-@pytest.mark.parametrize(("lora", "model"), [(False, "tiny-random"), (True, "tiny-random"), (False, "tiny-qwen2"),
-                                             (True, "tiny-qwen2-untied")],
-                         ids=["full", "lora", "qwen2-tied-full", "qwen2-untied-lora"])
-def test_vllm_holds_the_trainers_weights_after_each_update(data_dir, monkeypatch, lora: bool, model: str) -> None:
-    # Qwen2 (the paper's family): attention biases, and a head tied to the embedding through vLLM's reload
+@pytest.mark.parametrize(("lora", "model"), [(None, "tiny-random"), ("adapter", "tiny-random"),
+                                             ("merged", "tiny-random"), (None, "tiny-qwen2"),
+                                             ("adapter", "tiny-qwen2-untied")],
+                         ids=["full", "lora-adapter", "lora-merged", "qwen2-tied-full", "qwen2-untied-lora"])
+def test_vllm_holds_the_trainers_weights_after_each_update(data_dir, monkeypatch, lora: str | None,
+                                                           model: str) -> None:
+    # Qwen2 (the paper's family): attention biases, and a head tied to the embedding through vLLM's reload.
+    # LoRA: served as adapters through vLLM's LoRA support (the default), or merged into a full copy.
     from ragen_core import session
     from ragen_core.tracking import NullLogger
 
     overrides = ["rollout.backend=vllm", "trainer.actor_lr=1e-2", "trainer.iterations=1", "eval.every=0",
                  "trainer.checkpoint_every=0", f"model.name={model}",
-                 *(["model.lora_rank=8", "model.lora_alpha=16"] if lora else [])]
+                 *(["model.lora_rank=8", "model.lora_alpha=16", f"rollout.vllm_lora={lora}"] if lora else [])]
     cfg = load_experiment(SMOKE, overrides)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads = torch.get_num_threads()
@@ -70,6 +75,7 @@ def test_vllm_holds_the_trainers_weights_after_each_update(data_dir, monkeypatch
         ids = prompt + sess.tokenizer.encode(CONTINUATION)
         actor = sess.state.models.actor
         before_trainer = _trainer_logprobs(actor, ids, len(prompt))
+        assert (sess.generator._lora_request is not None) == (lora == "adapter")  # adapters served as adapters
         before_vllm = _vllm_logprobs(sess.generator, ids, len(prompt))
         assert (before_vllm - before_trainer).abs().max().item() < 1e-3  # the engine starts from the actor
 

@@ -44,7 +44,7 @@ from typing import Any, cast
 
 import torch
 
-from ragen_core.models import causal_lm, merged_state_dict, resolve_model, unwrap_lora
+from ragen_core.models import causal_lm, lora_model, merged_state_dict, resolve_model, unwrap_lora
 from ragen_core.rollout.generators.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -91,6 +91,7 @@ class VLLMGenerator:
         kv_cache_gib: int = 4,
         weight_sync: str | None = None,
         sleep_mode: bool = False,
+        lora: str = "adapter",
         **engine_kw: Any,
     ) -> None:
         """
@@ -105,6 +106,9 @@ class VLLMGenerator:
             process; the default there) or "disk" (a safetensors file; the only way into an engine in another
             process, the default there).
         sleep_mode: the engine can :meth:`sleep` (CUDA): its weights and KV cache leave the GPU until :meth:`wake`.
+        lora: for a peft LoRA ``model``: "adapter" (the engine holds the frozen base once and serves the trained
+            adapters through vLLM's LoRA support: each sync sends the adapters only) or "merged" (the adapters
+            merged into a copy of the whole weights, sent in full).
         engine_kw: passed on to ``vllm.LLM`` (``device_ids``: the GPU of this rank, distributed.engine_devices;
             an empty list means vLLM's default, the first visible device).
         """
@@ -127,6 +131,11 @@ class VLLMGenerator:
         self._vllm = vllm
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         module = model if isinstance(model, torch.nn.Module) else None
+        if lora not in ("adapter", "merged"):
+            raise ValueError(f"lora must be 'adapter' or 'merged', got {lora!r}")
+        self._lora_rank = _lora_rank(module) if lora == "adapter" and module is not None else 0
+        self._lora_request: Any = None  # the adapters of the last sync (vllm.lora.request.LoRARequest)
+        self._lora_dir: tempfile.TemporaryDirectory[str] | None = None
         path = self._model_dir(model, tokenizer, model_path)
         if dtype is None:
             dtype = "float32" if on_cpu else (_vllm_dtype(module) if module is not None else "auto")
@@ -151,6 +160,9 @@ class VLLMGenerator:
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             enable_sleep_mode=sleep_mode and not on_cpu,
+            enable_lora=bool(self._lora_rank),
+            max_lora_rank=_vllm_lora_rank(self._lora_rank or 1),
+            max_loras=1,
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
             logprobs_mode="processed_logprobs",
             **engine_kw,
@@ -158,8 +170,9 @@ class VLLMGenerator:
         self.max_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._stats = dict.fromkeys((*STAT_KEYS, "reused_tokens", "calls", "generate_seconds", "sync_seconds",
                                      "syncs"), 0.0)
-        if module is not None and self._tmp is None:
-            # the directory may hold older weights than the module (e.g. a trainer resumed from a checkpoint)
+        if module is not None and (self._tmp is None or self._lora_rank):
+            # the directory may hold older weights than the module (e.g. a trainer resumed from a checkpoint);
+            # adapters: the directory holds the frozen base, and this registers the adapters
             self.update_weights(module)
 
     # ------------------------------------------------------------------ protocol
@@ -202,7 +215,8 @@ class VLLMGenerator:
             requests.append(TokensPrompt(prompt_token_ids=ids))
             settings.append(self._sampling_params(params, i, self.max_length - len(ids)))
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, settings, use_tqdm=False)
+        outputs = self.llm.generate(requests, settings, use_tqdm=False,
+                                    **({"lora_request": self._lora_request} if self._lora_request else {}))
         seconds = time.perf_counter() - start
         result = [_to_generation(out) for out in outputs]
         cached = sum(int(out.num_cached_tokens or 0) for out in outputs)
@@ -217,24 +231,49 @@ class VLLMGenerator:
         return result
 
     def update_weights(self, model: torch.nn.Module) -> None:
-        """Load ``model``'s weights into the engine (``weight_sync``); a LoRA model's adapters are merged into the
-        copy sent. The time it takes adds up in ``stats["sync_seconds"]``."""
+        """Load ``model``'s weights into the engine (``weight_sync``): a LoRA model's adapters alone when they are
+        served as adapters (``lora="adapter"``), else merged into the copy sent. The time it takes adds up in
+        ``stats["sync_seconds"]``."""
         started = time.perf_counter()
-        state = merged_state_dict(model)
-        if self.weight_sync == "memory":
-            # in-process engine: the tensors go to the model's load_weights as they are (cast on copy)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
-        else:
-            # a multi-process engine cannot receive tensors through its RPC; go through a file
-            from safetensors.torch import save_file
-
-            with tempfile.TemporaryDirectory(prefix="ragen-vllm-weights-") as tmp:
-                save_file(_unshared(state), f"{tmp}/model.safetensors")
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+        if self._lora_rank:
+            self._sync_adapters(model)
+            self._stats["sync_seconds"] += time.perf_counter() - started
+            self._stats["syncs"] += 1
+            return
+        self._load(merged_state_dict(model))
         # cached keys/values were computed by the old weights
         self.llm.reset_prefix_cache()
         self._stats["sync_seconds"] += time.perf_counter() - started
         self._stats["syncs"] += 1
+
+    def _sync_adapters(self, model: torch.nn.Module) -> None:
+        """The trained adapters, to vLLM's LoRA support: written as a peft adapter (megabytes: the frozen base,
+        which the engine loaded from its model directory, never changes) and served under a new id from the next
+        call; the previous one is dropped."""
+        from vllm.lora.request import LoRARequest
+
+        previous, old_dir = self._lora_request, self._lora_dir
+        self._lora_dir = tempfile.TemporaryDirectory(prefix="ragen-vllm-lora-")
+        lora_model(model).save_pretrained(self._lora_dir.name, safe_serialization=True)
+        number = 1 if previous is None else previous.lora_int_id + 1
+        self._lora_request = LoRARequest(f"policy-{number}", number, self._lora_dir.name)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        if old_dir is not None:
+            old_dir.cleanup()
+        self.llm.reset_prefix_cache()
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        """Whole weights into the engine, as ``weight_sync`` says: the tensors to the in-process engine's
+        load_weights, or a safetensors file (an engine in another process cannot receive tensors)."""
+        if self.weight_sync == "memory":
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+            return
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="ragen-vllm-weights-") as tmp:
+            save_file(_unshared(state), f"{tmp}/model.safetensors")
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
 
     def sleep(self) -> None:
         """Free the GPU for the update: the weights and the KV cache are dropped (level 2); :meth:`update_weights`
@@ -257,6 +296,9 @@ class VLLMGenerator:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._lora_dir is not None:
+            self._lora_dir.cleanup()
+            self._lora_dir = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -281,9 +323,10 @@ class VLLMGenerator:
         if tokenizer is None:
             raise ValueError("VLLMGenerator needs the tokenizer (or model_path) for a model built in memory")
         self._tmp = tempfile.TemporaryDirectory(prefix="ragen-vllm-model-")
-        # a LoRA model: the transformers model inside, with the adapters merged into the saved weights
-        causal_lm(unwrap_lora(model)).save_pretrained(self._tmp.name, state_dict=merged_state_dict(model),
-                                                      safe_serialization=True)
+        # a LoRA model: the transformers model inside, with the adapters merged into the saved weights, or without
+        # them when they are served as adapters (the frozen base alone)
+        weights = _base_state(model) if self._lora_rank else merged_state_dict(model)
+        causal_lm(unwrap_lora(model)).save_pretrained(self._tmp.name, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(self._tmp.name)  # type: ignore[attr-defined]
         return Path(self._tmp.name)
 
@@ -340,3 +383,26 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[name] = t.clone() if key in seen else t
         seen.add(key)
     return out
+
+
+def _lora_rank(model: torch.nn.Module | None) -> int:
+    """The rank of a peft LoRA model's adapters (0 for a plain model)."""
+    config = getattr(model, "peft_config", None)
+    if not config:
+        return 0
+    return int(max(getattr(c, "r", 0) for c in config.values()))
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's LoRA support takes that holds ``rank`` (it takes 1, 8, 16, 32, 64, ...)."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA ranks up to 512, this model's is {rank}")
+
+
+def _base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A peft LoRA model's frozen base weights, named as the plain model's state dict (no adapter in them)."""
+    base = lora_model(model).get_base_model()
+    return {name.replace(".base_layer.", "."): t.detach() for name, t in base.state_dict().items()
+            if ".lora_" not in name}

@@ -31,7 +31,8 @@ def test_on_cuda_a_vllm_engine_gets_a_share_the_precision_and_the_ranks_gpu(monk
     monkeypatch.setenv("LOCAL_RANK", "1")
     cfg = make_cfg("starpo-s", "rollout.backend=vllm", "trainer.precision=bf16", "rollout.vllm_gpu_memory=0.25")
     kw = generator_kwargs(cfg, torch.nn.Linear(2, 2), torch.device("cuda"), 2048)
-    assert kw == {"gpu_memory_utilization": 0.25, "device_ids": [1], "dtype": "bfloat16", "sleep_mode": False}
+    assert kw == {"gpu_memory_utilization": 0.25, "device_ids": [1], "dtype": "bfloat16", "sleep_mode": False,
+                  "lora": "adapter"}
     fp32 = make_cfg("starpo-s", "rollout.backend=vllm", "rollout.vllm_gpu_memory=0.25", "rollout.vllm_sleep=true")
     kw = generator_kwargs(fp32, torch.nn.Linear(2, 2), torch.device("cuda"), 2048)
     assert kw["dtype"] is None and kw["sleep_mode"] is True
@@ -39,7 +40,7 @@ def test_on_cuda_a_vllm_engine_gets_a_share_the_precision_and_the_ranks_gpu(monk
 
 def test_on_the_cpu_vllm_needs_no_share_and_cannot_sleep() -> None:
     cfg = make_cfg("starpo-s", "rollout.backend=vllm")
-    assert generator_kwargs(cfg, torch.nn.Linear(2, 2), torch.device("cpu"), 2048) == {}
+    assert generator_kwargs(cfg, torch.nn.Linear(2, 2), torch.device("cpu"), 2048) == {"lora": "adapter"}
     with pytest.raises(ConfigError, match="needs CUDA"):
         generator_kwargs(make_cfg("starpo-s", "rollout.backend=vllm", "rollout.vllm_sleep=true"),
                          torch.nn.Linear(2, 2), torch.device("cpu"), 2048)
