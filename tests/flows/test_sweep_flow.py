@@ -214,3 +214,29 @@ def test_a_trial_stopped_by_a_health_rule_is_pruned(data_dir, tmp_path) -> None:
                                                              "prune_on_health: false\n", fast)))
     (kept,) = load("health-kept", data_dir).get_trials()
     assert kept.state.name == "COMPLETE" and kept.user_attrs["health_stop"]
+
+
+def test_a_worker_restores_the_storage_password_from_its_env_or_a_prefect_secret(monkeypatch) -> None:
+    """A trial's parameters carry the storage URL with *** for its password; the worker puts it back from its own
+    RAGEN_OPTUNA_STORAGE, else from the Prefect Secret block ragen-optuna-storage, else refuses clearly."""
+    from prefect.blocks.system import Secret
+
+    from flows.train import STORAGE_SECRET, _trial_storage
+    from ragen_core.config import ConfigError
+    from ragen_core.sweeps.study import STORAGE_ENV, redact
+
+    full = "postgresql+psycopg2://ragen:hunter2@db-host:5432/optuna"
+    shown = redact(full)
+    assert "hunter2" not in shown
+    monkeypatch.delenv(STORAGE_ENV, raising=False)
+    with pytest.raises(ConfigError, match="needs its password on this worker"):
+        _trial_storage(shown)
+    Secret(value=full).save(STORAGE_SECRET, overwrite=True)
+    try:
+        assert _trial_storage(shown) == full
+        monkeypatch.setenv(STORAGE_ENV, full.replace("db-host", "other-host"))  # not this storage: the secret
+        assert _trial_storage(shown) == full
+        monkeypatch.setenv(STORAGE_ENV, full)
+        assert _trial_storage(shown) == full
+    finally:
+        Secret.delete(STORAGE_SECRET)
