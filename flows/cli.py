@@ -162,12 +162,18 @@ def sweep(
         check_pool_launch(plan)  # trials on a pool: a tracking server they reach and a shared data folder
     except ConfigError as e:
         _fail(str(e))
+    _run_sweep(sweep_file, workers, set_)
+
+
+def _run_sweep(path: Path, workers: int, overrides: list[str] | None) -> None:
+    """The sweep flow on ``path`` (a sweep or a study), its summary printed; a pool that took no trial up is
+    one line and status 1."""
     from flows.sweep import sweep as sweep_flow
     from ragen_core.sweeps.trials import NoWorker
 
     try:
-        print(sweep_flow(sweep_file=str(sweep_file), workers=workers, overrides=list(set_ or [])))
-    except NoWorker as e:  # the pool took no trial up: say so in one line
+        print(sweep_flow(sweep_file=str(path), workers=workers, overrides=list(overrides or [])))
+    except NoWorker as e:
         _fail(str(e), 1)
 
 
@@ -191,13 +197,7 @@ def study(
     if not plan.sweep.group_by:
         _fail(f"{study_file}: a study needs group_by (the parameter or tag to compare, e.g. preset); "
               "for an ablation table use ragen sweep")
-    from flows.sweep import sweep as sweep_flow
-    from ragen_core.sweeps.trials import NoWorker
-
-    try:
-        print(sweep_flow(sweep_file=str(study_file), workers=workers, overrides=list(set_ or [])))
-    except NoWorker as e:  # the pool took no trial up: say so in one line
-        _fail(str(e), 1)
+    _run_sweep(study_file, workers, set_)
 
 
 @app.command()
