@@ -11,7 +11,7 @@ an NVIDIA driver (the run then holds nothing and computes where its config says)
 slots on a machine without GPUs: the scheduling is the same, the runs compute on the CPU.
 
 A device is held by an exclusive lock on its file in a folder of this machine (``RAGEN_GPU_LOCK_DIR``, default
-``<tmp>/ragen-gpus``). The operating system drops the lock when the holding process ends, however it ends (a
+``<tmp>/ragen-gpus``), named after the GPU's UUID where nvidia-smi knows it. The operating system drops the lock when the holding process ends, however it ends (a
 kill included), so a device is never left taken by a dead run. Prefect's own limits count runs, not devices:
 a worker's ``--limit`` (start it with the number of GPUs, ``ragen worker``) keeps a machine from taking more
 one-GPU runs than it has GPUs, and the locks say which device each run gets, and make a run that needs
@@ -62,12 +62,29 @@ def offered() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return _ids(visible)
+    return [row[0] for row in _smi("index")]
+
+
+def _smi(query: str) -> list[list[str]]:
+    """``nvidia-smi --query-gpu=QUERY`` as rows of fields; none without an NVIDIA driver."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
-    out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True,
+    out = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True,
                          check=False, timeout=60)
-    return _ids(out.stdout.replace("\n", ",")) if out.returncode == 0 else []
+    if out.returncode != 0:
+        return []
+    return [[field.strip() for field in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _lock_names(devices: list[str]) -> dict[str, str]:
+    """The name each device is locked under: the GPU's UUID where nvidia-smi knows the id, so that runs whose
+    ``CUDA_VISIBLE_DEVICES`` number the same GPU differently (two scheduler jobs, each seeing its GPU as 0) meet on
+    one lock, and runs seeing different GPUs as 0 do not; a declared id (``RAGEN_GPUS``) is its own name."""
+    if (os.environ.get(GPUS_ENV) or "").strip():
+        return {d: d for d in devices}
+    uuids = {row[0]: row[1] for row in _smi("index,uuid") if len(row) == 2}
+    return {d: d if d.startswith(("GPU-", "MIG-")) else uuids.get(d, d) for d in devices}
 
 
 def lock_dir() -> Path:
@@ -81,8 +98,8 @@ def lock_dir() -> Path:
     return folder
 
 
-def _lock(device: str) -> FileLock:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
+def _lock(name: str) -> FileLock:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return FileLock(str(lock_dir() / f"gpu-{safe}.lock"), mode=0o666, thread_local=False)
 
 
@@ -139,8 +156,9 @@ def hold(n: int, *, wait_s: float | None = None, poll_s: float = 1.0,
 def _try_take(devices: list[str], n: int) -> dict[str, FileLock] | None:
     """Locks on ``n`` free devices (the first free ones, in order), or None, holding nothing, when fewer are free."""
     got: dict[str, FileLock] = {}
+    names = _lock_names(devices)
     for device in devices:
-        lock = _lock(device)
+        lock = _lock(names[device])
         try:
             lock.acquire(timeout=0)
         except Timeout:

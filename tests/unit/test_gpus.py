@@ -122,3 +122,32 @@ def test_each_rank_engine_gets_its_own_device(monkeypatch: pytest.MonkeyPatch, l
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     assert distributed.engine_devices(torch.device("cuda")) == [local_rank]
     assert distributed.engine_devices(torch.device("cpu")) == []
+
+
+def test_gpus_are_locked_by_uuid_so_two_jobs_calling_theirs_0_do_not_collide(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A scheduler gives two jobs one GPU each and shows it to each as GPU 0 (CUDA_VISIBLE_DEVICES=0, and a
+    # cgroup: nvidia-smi lists it as index 0 with its own UUID). Their runs must not wait on each other.
+    monkeypatch.delenv("RAGEN_GPUS", raising=False)
+    monkeypatch.setenv("RAGEN_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "0, $FAKE_UUID"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_UUID": "GPU-aaaa"}
+    first = holder(env, 1, 30)
+    try:
+        assert json.loads(first.stdout.readline())["ids"] == ["0"]
+        monkeypatch.setenv("FAKE_UUID", "GPU-bbbb")  # the other job's GPU 0
+        assert gpus.hold(1, wait_s=1, poll_s=0.05) == ("0",)
+        gpus.release()
+        monkeypatch.setenv("FAKE_UUID", "GPU-aaaa")  # the same GPU: held
+        with pytest.raises(TimeoutError):
+            gpus.hold(1, wait_s=0.3, poll_s=0.05, say=lambda line: None)
+    finally:
+        first.kill()
+        first.wait()
+        gpus.release()
+    assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["gpu-GPU-aaaa.lock", "gpu-GPU-bbbb.lock"]
