@@ -22,7 +22,11 @@ How this engine keeps the torch backend's math (``TorchEngine``):
   groups, handed to ``deepspeed.initialize`` as a client optimizer. ZeRO 1/2
   runs it on flat fp32 partitions; AdamW is elementwise, so the update is the
   same. The weights DeepSpeed holds are fp32; ``trainer.precision: bf16`` runs the forwards under bf16
-  autocast (as DeepSpeed's own ``torch_autocast`` mode does), so no fp16/bf16 section is in the config.
+  autocast (as DeepSpeed's own ``torch_autocast`` mode does, and verl's FSDP mixed precision), so no fp16/bf16
+  section is in the config. DeepSpeed's ``bf16`` mode keeps bf16 weights in the module and the fp32 masters
+  inside the ZeRO optimizer: the weights the next forward and the rollouts use then move only when a master
+  crosses a bf16 step. Measured on the tiny model at lr 1e-6 (ZeRO 2): one step moved them by a summed |dw| of
+  0.0037, against 0.129 in fp32 and in autocast, the rounding of an AdamW step on bf16 weights.
 - Gradient accumulation belongs to our update loop, which already divides every
   micro-batch loss by the whole mini-batch's count. So the DeepSpeed config has
   ``gradient_accumulation_steps: 1`` (``backward`` divides the loss by it, and
