@@ -18,10 +18,15 @@ with the plain steps, without Prefect (ragen_core/session.py says how the steps 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import signal
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import deployment, flow_run
 
 from flows import ranks
@@ -103,33 +108,80 @@ def _train(cfg: ExperimentConfig, folder: RunDir, parent_run_id: str | None, tag
     """The run itself, in this process (rank 0 of several, or alone)."""
     folder.create()
     ui_url = flow_run.ui_url  # the flow run's page in the Prefect UI, as a tag of the MLflow run
-    logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id,
-                         extra_tags={**(tags or {}), **({"prefect.flow_run_url": ui_url} if ui_url else {})},
-                         experiment_file=experiment)
-    pruner = _trial_reporter(trial) if trial else None
-    artifacts = RunArtifacts(folder.name, cfg.trainer.iterations)
-    with Reporter(cfg.trainer.iterations) as ui:
+    with _Termination() as termination:
+        logger = open_logger(cfg, folder.path, flow_run_id=flow_run.id, parent_run_id=parent_run_id,
+                             extra_tags={**(tags or {}), **({"prefect.flow_run_url": ui_url} if ui_url else {})},
+                             experiment_file=experiment)
+        pruner = _trial_reporter(trial) if trial else None
+        artifacts = RunArtifacts(folder.name, cfg.trainer.iterations)
+        with Reporter(cfg.trainer.iterations) as ui:
 
-        def say(line: str) -> None:  # the terminal, and the flow run's Logs tab
-            ui.say(line)
-            artifacts.say(line)
+            def say(line: str) -> None:  # the terminal, and the flow run's Logs tab
+                ui.say(line)
+                artifacts.say(line)
 
-        def final(sess: session.Session, val: dict[str, float]) -> None:
-            artifacts.markdown("evaluation", "| metric | value |\n|---|---|\n" + "".join(
-                f"| {k} | {v:.4f} |\n" for k, v in sorted(val.items()) if k.startswith("val/")),
-                f"held-out evaluation after {sess.iteration} iterations")
-            if pruner:
-                pruner(sess, val)
+            def final(sess: session.Session, val: dict[str, float]) -> None:
+                artifacts.markdown("evaluation", "| metric | value |\n|---|---|\n" + "".join(
+                    f"| {k} | {v:.4f} |\n" for k, v in sorted(val.items()) if k.startswith("val/")),
+                    f"held-out evaluation after {sess.iteration} iterations")
+                if pruner:
+                    pruner(sess, val)
 
-        sess = session.open_session(cfg, logger, folder, say=say, progress=ui.progress)
-        run_url = getattr(logger, "run_url", None)
-        artifacts.link(run_url() if callable(run_url) else None, tracking_uri(cfg), logger.run_id)
-        hooks = session.Hooks(
-            after_eval=pruner,  # a pruned trial ends with this evaluation as its last
-            after_iteration=lambda s, metrics: artifacts.iteration(s.iteration, cfg.env.label, metrics),
-            after_final_eval=final)
-        session.run_to_end(sess, steps.STEPS, hooks)
-    return session.finish(sess, tracking_uri(cfg))
+            sess = session.open_session(cfg, logger, folder, say=say, progress=ui.progress)
+            run_url = getattr(logger, "run_url", None)
+            artifacts.link(run_url() if callable(run_url) else None, tracking_uri(cfg), logger.run_id)
+            hooks = session.Hooks(
+                after_eval=pruner,  # a pruned trial ends with this evaluation as its last
+                after_iteration=lambda s, metrics: artifacts.iteration(s.iteration, cfg.env.label, metrics),
+                after_final_eval=final)
+            session.run_to_end(sess, termination.guard(steps.STEPS), hooks)
+        termination.check()
+        return session.finish(sess, tracking_uri(cfg))
+
+
+class _Termination:
+    """Prefect cancels a flow run with SIGTERM, and its handler raises TerminationSignal wherever the main thread
+    is. Raised inside a garbage-collection callback (SQLAlchemy's, while MLflow opens its store), Python prints it as
+    "Exception ignored" and drops it, and the run went on to its end. Within this block a handler records the
+    signal before Prefect's raises; each step of the loop (:meth:`guard`) raises it again when it was lost."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> _Termination:
+        self._previous = signal.getsignal(signal.SIGTERM)
+
+        def handler(signum: int, frame: Any) -> None:
+            self.received = signum
+            if callable(self._previous):
+                self._previous(signum, frame)
+            else:
+                raise TerminationSignal(signal=signum)
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if threading.current_thread() is threading.main_thread() and self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise TerminationSignal(signal=self.received)
+
+    def guard(self, steps: session.Steps) -> session.Steps:
+        """``steps``, each checking first for a signal that was received and lost."""
+
+        def checked(step: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                self.check()
+                return step(*args, **kwargs)
+
+            return run
+
+        return session.Steps(*(checked(getattr(steps, f.name)) for f in dataclasses.fields(steps)))
 
 
 def _trial_reporter(trial: dict[str, Any]) -> Any:

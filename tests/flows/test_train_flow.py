@@ -317,3 +317,36 @@ def test_the_train_deployment_form_holds_only_what_a_person_sets() -> None:
     assert list(parameter_schema(train.fn).properties) == ["experiment", "overrides", "resume", "run_name", "nproc"]
     assert {"parent_run_id", "tags", "trial"} <= set(parameter_schema(train_trial.fn).properties)
     assert parameter_schema(train_trial.fn).required == ["experiment"]
+
+
+def test_a_sigterm_lost_in_a_garbage_collection_callback_still_stops_the_run(monkeypatch) -> None:
+    """Prefect's SIGTERM handler raises wherever the main thread is; inside a weakref (garbage-collection) callback
+    Python prints the exception and drops it. The flow's guard raises it again at the loop's next step."""
+    import weakref
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.utilities.engine import _prefect_sigterm_handler
+
+    from flows.train import _Termination
+    from ragen_core.session import PLAIN_STEPS
+
+    monkeypatch.setattr("sys.unraisablehook", lambda unraisable: None)  # Python's "Exception ignored" line
+    previous = signal.signal(signal.SIGTERM, _prefect_sigterm_handler)
+    try:
+        with _Termination() as termination:
+            class Owner:
+                pass
+
+            def collected(ref: object) -> None:
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(10_000))  # the handler runs in here: its TerminationSignal is dropped
+
+            owner = Owner()
+            ref = weakref.ref(owner, collected)
+            del owner  # the callback runs; nothing reaches this frame
+            assert ref() is None and termination.received == signal.SIGTERM
+            guarded = termination.guard(PLAIN_STEPS)
+            with pytest.raises(TerminationSignal):
+                guarded.rollout(None)  # the next step raises it before running
+    finally:
+        signal.signal(signal.SIGTERM, previous)
