@@ -11,11 +11,11 @@ an NVIDIA driver (the run then holds nothing and computes where its config says)
 slots on a machine without GPUs: the scheduling is the same, the runs compute on the CPU.
 
 A device is held by an exclusive lock on its file in a folder of this machine (``RAGEN_GPU_LOCK_DIR``, default
-``<tmp>/ragen-gpus``), named after the GPU's UUID where nvidia-smi knows it. The operating system drops the lock when the holding process ends, however it ends (a
-kill included), so a device is never left taken by a dead run. Prefect's own limits count runs, not devices:
-a worker's ``--limit`` (start it with the number of GPUs, ``ragen worker``) keeps a machine from taking more
-one-GPU runs than it has GPUs, and the locks say which device each run gets, and make a run that needs
-several wait until that many are free.
+``<tmp>/ragen-gpus``), named after the GPU's UUID where nvidia-smi knows it. The operating system drops the lock
+when the holding process ends, however it ends (a kill included), so a device is never left taken by a dead run.
+Prefect's own limits count runs, not devices: a worker's ``--limit`` (start it with the number of GPUs,
+``ragen worker``) keeps a machine from taking more one-GPU runs than it has GPUs, and the locks say which device
+each run gets, and make a run that needs several wait until that many are free.
 
 Set ``CUDA_VISIBLE_DEVICES`` before CUDA starts in the process: :func:`hold` refuses once torch has initialised
 CUDA with another set of devices (the new set would not take effect).
