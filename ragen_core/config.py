@@ -271,6 +271,13 @@ class AlgorithmConfig:
         """A reference policy forward pass is needed only when KL is on (SPEC §4)."""
         return self.kl_coef > 0.0
 
+    @property
+    def gradient_reads_reference(self) -> bool:
+        """Whether the update's gradient depends on the reference log-probs: the KL in the reward, or the k3
+        estimator in the loss. k1 in the loss, kl_coef·(log π − log π_ref), differentiates to kl_coef·∇log π:
+        the reference log-prob is a constant there and only changes the logged ``actor/kl_ref``."""
+        return self.uses_reference and (self.kl_in_reward or self.kl_estimator != "k1")
+
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -303,9 +310,11 @@ class TrainerConfig:
     seed: int = F(0, "seed for env seeds, sampling and initialisation", ge=0)
     checkpoint_every: int = F(10, "save a checkpoint every N iterations (and at the end); 0 disables", ge=0)
     threads: int | None = F(None, "torch CPU threads; None keeps torch's default", ge=1)
-    precision: Literal["fp32", "bf16"] = F(
+    precision: Literal["fp32", "bf16", "auto"] = F(
         "fp32", "fp32, or bf16 mixed precision: forwards (and so backwards) under bf16 autocast, while the trained "
-                "weights and the optimizer state stay fp32 (master weights), whatever model.dtype is")
+                "weights and the optimizer state stay fp32 (master weights), whatever model.dtype is; auto: bf16 "
+                "on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX), fp32 elsewhere (on CUDA: fp32 "
+                "with trainer.tf32)")
     tf32: bool = F(True, "CUDA: fp32 matmuls on TF32 tensor cores (no effect on the CPU)")
 
     def __post_init__(self) -> None:
@@ -368,6 +377,9 @@ class DiagnosticsConfig:
     collapse_later_samples: int = F(8, "most later-turn reasonings scored (one drawn turn per drawn trajectory); "
                                        "0 skips later turns", ge=0)
     collapse_ema: float = F(0.9, "decay of the EMA of the marginal std that normalises mi_zscore_ema", ge=0.0, lt=1.0)
+    kl_every: int = F(5, "with the k1 KL in the loss (vanilla StarPO), whose gradient does not read the reference, "
+                         "the reference forward runs only to log actor/kl_ref: every N iterations (and at the "
+                         "first); 1 every iteration, 0 never", ge=0)
 
 
 PRESET_NAMES = ("starpo", "starpo-s", "grpo", "starpo-s-snr", "custom")

@@ -77,6 +77,7 @@ from ragen_core.trainer import (
     update,
 )
 from ragen_core.trainer.collapse import measure_collapse, measure_later_turns
+from ragen_core.trainer.engine import compute_precision
 from ragen_core.trainer.models import resolve_device
 from ragen_core.trainer.warmup import warmup_facts, warmup_model
 
@@ -247,6 +248,7 @@ def open_session(
     with distributed.main_first():  # rank 0 repairs what a kill left in checkpoints/ before the others look
         ckpt = folder.latest_checkpoint()
     state = load_checkpoint(ckpt, cfg, base) if ckpt else init_state(cfg, base)
+    logger.set_tags({"precision": compute_precision(cfg)})  # trainer.precision auto, as this machine resolved it
     h = cfg.health
     monitor = CollapseMonitor(h.baseline_iters, h.std_drop, h.entropy_drop, h.grad_z, h.patience,
                               "off" if h.action == "off" else h.action)
@@ -366,7 +368,7 @@ def update_policy(sess: Session, selection: Selection) -> UpdateStats:
         sess.generator.sleep()  # type: ignore[attr-defined]
     try:
         stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens,
-                       advantage_scale=selection.advantage_scale)
+                       advantage_scale=selection.advantage_scale, kl_metric=kl_metric_due(sess))
     finally:
         if asleep:
             sess.generator.wake()  # type: ignore[attr-defined]
@@ -378,6 +380,14 @@ def update_policy(sess: Session, selection: Selection) -> UpdateStats:
     sess.state.iteration += 1
     stats.metrics["rollout/update_skipped"] = 0.0
     return stats
+
+
+def kl_metric_due(sess: Session) -> bool:
+    """This iteration's update logs ``actor/kl_ref`` (every ``diagnostics.kl_every``). Only a KL whose gradient
+    does not read the reference (k1 in the loss) is skipped on the other iterations; any other KL runs its
+    reference forward every iteration and logs it."""
+    every = sess.cfg.diagnostics.kl_every
+    return every > 0 and sess.iteration % every == 0
 
 
 def collapse_due(sess: Session) -> bool:

@@ -249,13 +249,14 @@ class _Gap:
 
 @torch.no_grad()
 def _rollout_side(
-    state: TrainState, batch: TokenBatch, cfg: ExperimentConfig
+    state: TrainState, batch: TokenBatch, cfg: ExperimentConfig, reference: bool = True
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(old values [B, T] or None, reference log-probs [B, T] or None), micro-batched, no gradients.
 
     A value head's old values come from the rollout when the generator recorded them (``batch.old_values``:
     the head on the hidden states the sampled tokens came from, the same weights and positions as this
-    forward, equal within float rounding); then no forward runs for them."""
+    forward, equal within float rounding); then no forward runs for them. ``reference`` False: no reference
+    forward either (the gradient does not read it, :attr:`AlgorithmConfig.gradient_reads_reference`)."""
     models = state.models
     values: list[torch.Tensor] = []
     ref: list[torch.Tensor] = []
@@ -263,7 +264,8 @@ def _rollout_side(
     if has_critic and models.critic is None and batch.old_values is not None:
         values.append(batch.old_values.float())
         has_critic = False  # nothing left to run for them
-    if not has_critic and not models.use_reference:
+    reference = reference and models.use_reference
+    if not has_critic and not reference:
         return (values[0] if values else None), None
     # Each forward runs through the engine of the module it reads (ZeRO-3 gathers weights only there).
     critic_engine = state.critic_engine or state.actor_engine  # a value head is trained by the actor's engine
@@ -273,7 +275,7 @@ def _rollout_side(
         if has_critic:
             v = critic_engine.forward(critic_values, models, micro.input_ids, micro.attention_mask)
             values.append(_pad_to(v.float().cpu(), width))
-        if models.use_reference:  # a frozen copy outside the engine, or the actor with its adapters off
+        if reference:  # a frozen copy outside the engine, or the actor with its adapters off
             lp = state.actor_engine.forward(reference_logprobs, models, micro.input_ids, micro.attention_mask,
                                             cfg.rollout.temperature, cfg.trainer.logprob_chunk,
                                             scored=micro.loss_mask)
@@ -326,13 +328,15 @@ class _Meter:
 
 def update(
     state: TrainState, batch: TokenBatch, cfg: ExperimentConfig, think_tokens: Sequence[float] | None = None,
-    advantage_scale: float = 1.0,
+    advantage_scale: float = 1.0, kl_metric: bool = True,
 ) -> UpdateStats:
     """All optimizer steps of one rollout batch: one per mini-batch (module step 3), × ``ppo_epochs``.
 
     batch: the (already filtered) rows to train on; think_tokens: optional
     ``<think>`` length per row (summed over its turns) for the response/
-    metrics; advantage_scale: multiplies the advantages (the filter's ``advantage_scale``).
+    metrics; advantage_scale: multiplies the advantages (the filter's ``advantage_scale``);
+    kl_metric: whether to log ``actor/kl_ref`` when the gradient does not read the reference (k1 in the loss):
+    the reference forward then runs for that metric alone, so False skips it and the steps are the same.
     Returns namespaced metrics (actor/, critic/, response/, timing/, perf/).
     """
     started = time.perf_counter()
@@ -348,7 +352,10 @@ def update(
         if algo.tis_cap is not None:
             tis = losses.truncated_is_weights(trainer_lp, batch.old_logprobs.float(), algo.tis_cap)
         batch = dataclasses.replace(batch, old_logprobs=trainer_lp)
-    old_values, ref_logprobs = _rollout_side(state, batch, cfg)
+    reference = algo.gradient_reads_reference or (algo.uses_reference and kl_metric)
+    prepass_started = time.perf_counter()  # the recompute above, if any, ran before this
+    old_values, ref_logprobs = _rollout_side(state, batch, cfg, reference)
+    prepass_s = time.perf_counter() - prepass_started
     rewards = _token_rewards(batch, ref_logprobs, algo)
     advantages, returns = compute_advantages(batch, rewards, old_values, algo)
     advantages = advantages * advantage_scale
@@ -383,7 +390,8 @@ def update(
     if state.critic_engine is not None:
         metrics["critic/lr"] = state.critic_engine.lr
     n_tokens = float(batch.attention_mask.sum())
-    metrics.update({"timing/update_s": seconds, "perf/update_tokens": n_tokens,
+    metrics.update({"timing/update_s": seconds, "timing/update_recompute_s": prepass_started - started,
+                    "timing/update_prepass_s": prepass_s, "perf/update_tokens": n_tokens,
                     "perf/update_tokens_per_s": n_tokens * tr.ppo_epochs / max(seconds, 1e-9)})
     return UpdateStats(metrics=metrics, optimizer_steps=steps)
 
@@ -486,10 +494,14 @@ def _actor_loss(
     loss = pg_loss - algo.entropy_coef * aggregate(out.entropy, mask, normaliser)
     n_tok = float(mask.sum())
     meter.add("actor/", {**pg_stats, "entropy": losses.token_mean(out.entropy.detach(), mask)}, n_tok)
-    if ref_logprobs is not None and not algo.kl_in_reward:
-        kl = losses.kl_penalty(out.logprobs, ref_logprobs, algo.kl_estimator)  # [b, w]
+    if algo.uses_reference and not algo.kl_in_reward:
+        # Without reference log-probs (the k1 estimator, on an iteration that does not log the KL) the current
+        # log-probs stand in, detached: the term's value is then 0 but its gradient, kl_coef·∇log π, is the same.
+        ref = ref_logprobs if ref_logprobs is not None else out.logprobs.detach()
+        kl = losses.kl_penalty(out.logprobs, ref, algo.kl_estimator)  # [b, w]
         loss = loss + algo.kl_coef * aggregate(kl, mask, normaliser)
-        meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), mask)}, n_tok)
+        if ref_logprobs is not None:
+            meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), mask)}, n_tok)
     if head_targets is None:
         return loss, pg_loss.detach(), None
     old_values, returns, value_norm = head_targets

@@ -321,7 +321,8 @@ class LlamaDecodeStep:
         top = torch.maximum(l1, l2)
         w1, w2 = (l1 - top).exp_(), (l2 - top).exp_()
         total = w1 + w2
-        return o1 * (w1 / total)[..., None] + o2 * (w2 / total)[..., None]
+        # the log-sum-exps are fp32 whatever q's dtype: the merged output goes back to q's (a bf16 model's)
+        return (o1 * (w1 / total)[..., None] + o2 * (w2 / total)[..., None]).to(q.dtype)
 
 
 PACK_ROWS_HINT = 64

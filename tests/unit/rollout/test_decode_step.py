@@ -194,3 +194,25 @@ def test_cascade_attention_over_shared_prompts_samples_what_model_forward_sample
     for f, s in zip(fast2, slow2, strict=True):
         assert f.token_ids == s.token_ids
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
+
+
+def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
+    """``model.dtype: bfloat16`` under LoRA: frozen bf16 weights, fp32 adapters (trainer.models.fp32_masters).
+    The cascade over shared prompts merges its parts by fp32 log-sum-exps; the result goes back to bf16 before
+    the output projection, and the fast step samples what model.forward samples, within bf16 rounding."""
+    from ragen_core.trainer.models import fp32_masters
+
+    model, tok = tiny_random(seed=4)
+    model = with_trained_lora(model.to(torch.bfloat16), ["q_proj", "k_proj", "v_proj"])
+    fp32_masters(model)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    groups = [[5, 9, 13, 2, 7, 30, 12, 3], [11, 4], [8, 8, 8, 1, 40]]
+    prompts = [p for p in groups for _ in range(4)]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)
+    sessions = [f"s{i}" for i in range(len(prompts))]
+    fast = HFGenerator(model, tok, fast_decode=True).generate(prompts, params, sessions)
+    slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params, sessions)
+    for f, s in zip(fast, slow, strict=True):  # the first token: the same draw from the same distribution
+        assert f.token_ids[0] == s.token_ids[0]
+        assert abs(f.logprobs[0] - s.logprobs[0]) < 0.05
+    assert sum(f.token_ids == s.token_ids for f, s in zip(fast, slow, strict=True)) >= len(prompts) - 2

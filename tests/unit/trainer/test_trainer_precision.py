@@ -68,3 +68,25 @@ def test_deepspeed_bf16_moves_the_weights_as_the_torch_engine_does() -> None:
     ds_bf16, dtype = moved("model.dtype=bfloat16", "trainer.precision=bf16", "trainer.backend=deepspeed")
     assert dtype == torch.float32
     assert ds_bf16 == pytest.approx(torch_bf16, rel=1e-3)
+
+
+def test_auto_precision_is_bf16_only_on_a_cpu_that_multiplies_bf16(tmp_path, monkeypatch) -> None:
+    from ragen_core.trainer import engine
+
+    plain, native, amx = tmp_path / "avx2", tmp_path / "avx512bf16", tmp_path / "amx"
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    native.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n")
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n")
+    assert not engine.cpu_multiplies_bf16(str(plain))
+    assert engine.cpu_multiplies_bf16(str(native)) and engine.cpu_multiplies_bf16(str(amx))
+    assert not engine.cpu_multiplies_bf16(str(tmp_path / "missing"))  # not Linux: unknown, so fp32
+    a = torch.randn(4, 4)
+    for has_bf16, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(engine, "cpu_multiplies_bf16", lambda has=has_bf16: has)
+        cfg = make_cfg("starpo-s", "trainer.precision=auto")
+        assert engine.compute_precision(cfg) == ("bf16" if has_bf16 else "fp32")
+        assert init_state(cfg).actor_engine.forward(torch.mm, a, a).dtype == want
+        # on CUDA auto keeps fp32 (with TF32): bf16 autocast measured no faster there at these model sizes
+        assert engine.compute_precision(make_cfg("starpo-s", "trainer.precision=auto", "model.device=cuda")) == "fp32"
+    for fixed in ("fp32", "bf16"):
+        assert engine.compute_precision(make_cfg("starpo-s", f"trainer.precision={fixed}")) == fixed

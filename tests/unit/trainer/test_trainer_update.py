@@ -103,6 +103,50 @@ def test_reference_pass_is_counted_when_kl_is_on_with_lora() -> None:
     assert calls[0] == 2 * (8 // 2)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_k1_kl_in_the_loss_trains_the_same_without_the_reference_pass(lora: bool) -> None:
+    """kl_coef·(log π − log π_ref) differentiates to kl_coef·∇log π: the reference log-prob is a constant. So
+    the update skips the reference forward when it would only log actor/kl_ref (kl_metric False), and its
+    gradients and stepped weights equal the update that ran it. The KL itself still acts: without it
+    (kl_coef 0) the gradient differs."""
+    lora_args = ["model.lora_rank=4"] if lora else []
+    grads, weights, metrics = {}, {}, {}
+    for name, overrides, kl_metric in (("with_ref", [], True), ("without_ref", [], False),
+                                       ("no_kl", ["algorithm.kl_coef=0.0"], False)):
+        cfg = make_cfg("starpo", "algorithm.kl_coef=0.5", *lora_args, *overrides)
+        assert cfg.algorithm.gradient_reads_reference is False
+        state = init_state(cfg)
+        seen = _capture_grads(state.actor_engine)
+        calls = _count_calls(decoder_and_head(state.models.actor)[0])
+        reference_calls = (_count_calls(decoder_and_head(state.models.ref)[0]) if state.models.ref is not None
+                           else None)
+        stats = update(state, make_batch(), cfg, kl_metric=kl_metric)
+        grads[name], weights[name], metrics[name] = seen[0], _params(state.models.actor), stats.metrics
+        runs_reference = name == "with_ref"
+        if lora:  # the reference is the actor with its adapters off: its decoder runs once more per micro-batch
+            assert calls[0] == (2 if runs_reference else 1) * (8 // 2)
+        elif reference_calls is not None:
+            assert reference_calls[0] == (8 // 2 if runs_reference else 0)
+        assert ("actor/kl_ref" in stats.metrics) == runs_reference
+    for a, b in zip(grads["with_ref"], grads["without_ref"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(weights["with_ref"], weights["without_ref"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert metrics["with_ref"]["actor/pg_loss"] == metrics["without_ref"]["actor/pg_loss"]
+    assert any(not torch.allclose(a, b) for a, b in zip(grads["with_ref"], grads["no_kl"], strict=True))
+
+
+@pytest.mark.parametrize("overrides", [["algorithm.kl_estimator=k3"], ["algorithm.kl_in_reward=true"]])
+def test_a_kl_whose_gradient_reads_the_reference_runs_it_every_update(overrides: list[str]) -> None:
+    cfg = make_cfg("starpo", "model.lora_rank=4", *overrides)
+    assert cfg.algorithm.gradient_reads_reference
+    state = init_state(cfg)
+    calls = _count_calls(decoder_and_head(state.models.actor)[0])
+    stats = update(state, make_batch(), cfg, kl_metric=False)
+    assert calls[0] == 2 * (8 // 2)
+    assert "actor/kl_ref" in stats.metrics
+
+
 @pytest.mark.parametrize("preset", ["starpo", "grpo"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batch_invariance_one_of_eight_vs_eight_of_one(preset: str, agg: str) -> None:
