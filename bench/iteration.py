@@ -16,9 +16,22 @@ target, so ``orchestration_tracking_share_outside`` also gives the difference of
 outside its timed steps (rollout, update, evaluation, collapse matrices), over the flow's iteration: the
 overhead without the steps' noise. ``plain_vs_flow_step_s`` compares the steps themselves (CPU contention).
 
-Run:  .venv/bin/python bench/iteration.py [--iterations 5] [--flow] [--set key=value ...] [experiments/demo.yaml]
+Cases (``--case``): ``demo`` (the default: experiments/demo.yaml), and the studies' settings, read from the study
+files so they cannot drift: ``vanilla`` (StarPO, ``preset=starpo``, on studies/echo-trap-bandit.yaml's Bandit
+setting) and ``frozenlake`` (StarPO-S on studies/echo-trap-frozenlake.yaml's multi-turn setting). Each reports the
+share of every step of the loop, the update's no-grad passes apart (``update_prepass``: reference log-probs and a
+separate critic's old values; ``update_recompute``: old log-probs recomputed), and ``update_roofline_frac``: the
+matmul and attention FLOPs of one update, counted by torch's FlopCounterMode on a batch of one more rollout, over
+the seconds the same update takes uncounted times the matmul rate of the run's precision measured in this run
+(fp32 and bf16 rates both printed). That update runs as the loop's do on an iteration that logs no KL.
+
+To compare with an older checkout (side by side on one machine), run that checkout's bench with the same
+``--set`` overrides the case prints (``overrides``), e.g. from a git worktree: PYTHONPATH=<worktree>.
+
+Run:  .venv/bin/python bench/iteration.py [--case demo|vanilla|frozenlake] [--iterations 5] [--flow]
+                                          [--set key=value ...] [experiment.yaml]
 The last line printed is one JSON object: {"seconds": {...}, "share": {...}, "diagnostics_share": ...,
-"val_success": [[iteration, validation success], ...]}
+"update_roofline_frac": ..., "val_success": [[iteration, validation success], ...]}
 """
 
 from __future__ import annotations
@@ -30,22 +43,91 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from ragen_core import session
-from ragen_core.config import load_experiment
+from ragen_core.config import load_experiment, load_sweep
 from ragen_core.tracking import NullLogger
+from ragen_core.trainer import update
+from ragen_core.trainer.engine import compute_precision
 
 ROOT = Path(__file__).resolve().parents[1]
+
+CASES = {  # name: (study file or None for experiments/demo.yaml, preset)
+    "demo": (None, None),
+    "vanilla": ("studies/echo-trap-bandit.yaml", "starpo"),
+    "frozenlake": ("studies/echo-trap-frozenlake.yaml", "starpo-s"),
+}
+
+
+def case_setting(case: str) -> tuple[str, list[str]]:
+    """(experiment file, overrides) of a case: a study's base and overrides, with the case's preset."""
+    study, preset = CASES[case]
+    if study is None:
+        return str(ROOT / "experiments" / "demo.yaml"), []
+    sweep = load_sweep(ROOT / study)
+    base = (ROOT / study).parent / str(sweep.base)
+    return str(base.resolve()), [*sweep.overrides, f"preset={preset}"]
+
+
+def matmul_rates(n: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """GFLOP/s of an n x n x n matmul in fp32 and in bf16, the best of ``repeats`` (after a warm-up)."""
+    rates = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        rates[name] = 2 * n**3 / best / 1e9
+    return rates
+
+
+def update_roofline(sess: session.Session, rates: dict[str, float]) -> dict[str, float]:
+    """One more rollout; its update once under FlopCounterMode (the FLOPs) and once plain (the seconds), as an
+    iteration that logs no KL runs it; FLOPs / (seconds x the matmul rate of the run's precision)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rollouts = session.collect_rollouts(sess)
+    selection = session.tokenize_and_filter(sess, rollouts)
+    if selection.batch.batch_size == 0:
+        return {}
+
+    def run() -> float:
+        t = time.perf_counter()
+        update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens,
+               advantage_scale=selection.advantage_scale, kl_metric=False)
+        return time.perf_counter() - t
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        run()
+    flops = counter.get_total_flops()
+    seconds = run()
+    precision = compute_precision(sess.cfg)
+    return {"update_flops_g": round(flops / 1e9, 1), "update_s": round(seconds, 3), "precision": precision,
+            "update_gflop_per_s": round(flops / seconds / 1e9, 1),
+            "update_roofline_frac": round(flops / seconds / 1e9 / rates[precision], 3)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", nargs="?", default=str(ROOT / "experiments" / "demo.yaml"))
+    parser.add_argument("experiment", nargs="?", default=None, help="an experiment file instead of the case's")
+    parser.add_argument("--case", choices=sorted(CASES), default="demo")
     parser.add_argument("--iterations", type=int, default=5, help="iterations timed (default: one collapse period)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     parser.add_argument("--flow", action="store_true", help="also run it through the Prefect flow with MLflow")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the counted update at the end")
     args = parser.parse_args()
-    overrides = [f"trainer.iterations={args.iterations}", "trainer.checkpoint_every=0", *args.overrides]
-    cfg = load_experiment(args.experiment, overrides)
+    experiment, case_overrides = case_setting(args.case)
+    experiment = args.experiment or experiment
+    overrides = [*case_overrides, f"trainer.iterations={args.iterations}", "trainer.checkpoint_every=0",
+                 *args.overrides]
+    print(f"case {args.case}: {experiment} " + " ".join(f"--set {o}" for o in overrides), flush=True)
+    rates = matmul_rates()
+    cfg = load_experiment(experiment, overrides)
     seconds: dict[str, float] = defaultdict(float)
     measured: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,6 +150,10 @@ def main() -> None:
             for key, a, b in (("evaluate", t0, t1), ("rollout", t1, t2), ("diagnostics", t2, t3), ("filter", t3, t4),
                               ("update", t4, t5), ("record", t5, t6)):
                 seconds[key] += b - a
+            for key in ("prepass", "recompute"):  # the update's no-grad passes, out of its seconds
+                part = stats.metrics.get(f"timing/update_{key}_s", 0.0)
+                seconds[f"update_{key}"] += part
+                seconds["update"] -= part
             if diag is not None:
                 measured.append(t3 - t2)
                 print(f"iteration {rollouts.iteration}: diagnostics {t3 - t2:.2f} s of {t6 - t0:.2f} s "
@@ -78,22 +164,32 @@ def main() -> None:
         plain_rows = [row for row in sess.history if "timing/iteration_s" in row]
         # the seeded result, to check that a faster iteration trains as well (issue 21)
         val_success = [[row["iteration"], round(row["val/success"], 4)] for row in sess.history if "val/success" in row]
+        train_success = [round(row["rollout/success"], 4) for row in sess.history if "rollout/success" in row]
+        roofline = {} if args.no_roofline else update_roofline(sess, rates)
     share = {k: v / total for k, v in seconds.items()}
     every = cfg.diagnostics.collapse_every
     result = {
-        "experiment": Path(args.experiment).name, "iterations": args.iterations, "collapse_every": every,
+        "case": args.case, "experiment": Path(experiment).name, "overrides": overrides,
+        "iterations": args.iterations, "collapse_every": every, "iteration_s": round(total / args.iterations, 2),
         "seconds": {k: round(v, 2) for k, v in seconds.items()}, "total_s": round(total, 2),
         "share": {k: round(v, 4) for k, v in share.items()},
         "diagnostics_share": round(share["diagnostics"], 4),
         "diagnostics_s_per_measurement": round(sum(measured) / max(len(measured), 1), 2),
-        "val_success": val_success,
+        "val_success": val_success, "train_success": train_success,
+        "matmul_gflop_per_s": {k: round(v, 1) for k, v in rates.items()}, **roofline,
     }
     for k, v in sorted(share.items(), key=lambda kv: -kv[1]):
         print(f"{k:12s} {seconds[k]:8.2f} s  {v:6.1%}")
     print(f"diagnostics share of the run: {share['diagnostics']:.1%} "
           f"(measured every {every} iterations; target <= 10%)")
+    print(f"iteration {total / args.iterations:.2f} s; matmul fp32 {rates['fp32']:.0f}, "
+          f"bf16 {rates['bf16']:.0f} GFLOP/s")
+    if roofline:
+        print(f"update ({roofline['precision']}): {roofline['update_flops_g']:.0f} GFLOP in "
+              f"{roofline['update_s']:.2f} s, {roofline['update_gflop_per_s']:.0f} GFLOP/s: "
+              f"roofline fraction {roofline['update_roofline_frac']:.2f}")
     if args.flow:
-        flow_rows = run_flow(args.experiment, overrides)
+        flow_rows = run_flow(experiment, overrides)
         plain_s, flow_s = _mean_of(plain_rows[1:], ITERATION), _mean_of(flow_rows[1:], ITERATION)
         result.update(plain_iteration_s=round(plain_s, 3), flow_iteration_s=round(flow_s, 3),
                       plain_iterations_s=[round(row[ITERATION], 2) for row in plain_rows],

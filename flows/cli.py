@@ -181,7 +181,9 @@ def _run_sweep(path: Path, workers: int, overrides: list[str] | None) -> None:
 def study(
     study_file: Annotated[Path, typer.Argument(
         help="study YAML (a sweep with group_by), e.g. studies/echo-trap-bandit.yaml")],
-    workers: Annotated[int, typer.Option(min=1, help="worker processes sharing the study storage")] = 1,
+    workers: Annotated[int | None, typer.Option(
+        min=1, help="runs at a time (worker processes sharing the study storage); default: 2 on a CPU machine "
+                    "with 2+ cores and memory for two, each on half the cores, else 1")] = None,
     set_: SetOpt = None,
 ) -> None:
     """StarPO vs StarPO-S over seeds: every (preset, seed) a nested run, then curves with bands, a table per
@@ -197,6 +199,10 @@ def study(
     if not plan.sweep.group_by:
         _fail(f"{study_file}: a study needs group_by (the parameter or tag to compare, e.g. preset); "
               "for an ablation table use ragen sweep")
+    if workers is None:
+        from flows.sweep import study_workers
+
+        workers = study_workers(plan)
     _run_sweep(study_file, workers, set_)
 
 

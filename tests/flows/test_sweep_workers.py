@@ -43,3 +43,39 @@ def test_two_workers_share_one_sqlite_study(data_dir, tmp_path) -> None:
     ran = sorted(str(t.number) for t in study.trials if t.state.name == "COMPLETE")  # a skipped one never trains
     assert sorted(r.data.tags["trial"] for r in children) == ran
     assert all(r.info.status == "FINISHED" for r in children)
+
+
+def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch) -> None:
+    """`ragen study` without --workers: two runs at a time, each on half the cores, where no GPU is offered, there
+    are 2+ cores and memory for two runs; one otherwise. An OMP_NUM_THREADS set by the user is kept."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from flows import sweep as sweep_module
+
+    def plan(dispatch: str = "local") -> SimpleNamespace:
+        return SimpleNamespace(sweep=SimpleNamespace(dispatch=dispatch))
+
+    def machine(cores: int, free_gib: float, offered: list[str]) -> None:
+        monkeypatch.setattr(sweep_module.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=int(free_gib * 2**30)))
+        monkeypatch.setattr(sweep_module.gpus, "offered", lambda: offered)
+
+    machine(2, 20, [])
+    assert sweep_module.study_workers(plan()) == 2 and sweep_module.worker_threads(plan(), 2) == 1
+    assert sweep_module.study_workers(plan("deployment")) == 1  # a pool's workers set the pace
+    machine(8, 20, [])
+    assert sweep_module.worker_threads(plan(), 2) == 4 and sweep_module.worker_threads(plan(), 1) is None
+    machine(2, 6, [])  # room for one run (4 GiB each)
+    assert sweep_module.study_workers(plan()) == 1
+    machine(1, 20, [])
+    assert sweep_module.study_workers(plan()) == 1
+    machine(16, 100, ["GPU-a", "GPU-b"])  # GPUs: one run unless asked (each worker then holds a GPU)
+    assert sweep_module.study_workers(plan()) == 1 and sweep_module.worker_threads(plan(), 2) is None
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")  # worker_env asks no server then
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert sweep_module.worker_env(threads=1)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in sweep_module.worker_env()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert sweep_module.worker_env(threads=1)["OMP_NUM_THREADS"] == "3"

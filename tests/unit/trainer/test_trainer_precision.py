@@ -90,3 +90,32 @@ def test_auto_precision_is_bf16_only_on_a_cpu_that_multiplies_bf16(tmp_path, mon
         assert engine.compute_precision(make_cfg("starpo-s", "trainer.precision=auto", "model.device=cuda")) == "fp32"
     for fixed in ("fp32", "bf16"):
         assert engine.compute_precision(make_cfg("starpo-s", f"trainer.precision={fixed}")) == fixed
+
+
+def test_bf16_lora_skips_the_input_casts_and_computes_the_same() -> None:
+    """Under bf16 autocast over fp32 weights, LoRA layers hand their bf16 input to the adapters uncast
+    (engine.keep_lora_inputs): peft's cast to fp32 was undone by autocast's cast back to bf16, an exact round
+    trip, so the gradients are bitwise those of the casting layers; fp32 runs keep peft's default."""
+    grads = {}
+    for keep in (True, False):
+        cfg = make_cfg("starpo-s", "trainer.precision=bf16", "model.lora_rank=4")
+        state = init_state(cfg)
+        layers = [m for m in state.models.actor.modules() if hasattr(m, "cast_input_dtype_enabled")]
+        assert layers and all(not m.cast_input_dtype_enabled for m in layers)
+        if not keep:
+            for m in layers:
+                m.cast_input_dtype_enabled = True
+        seen: list[list[torch.Tensor]] = []
+
+        def step(engine=state.actor_engine, original=state.actor_engine.step, seen=seen) -> float:
+            seen.append([p.grad.clone() for p in engine.params])
+            return original()
+
+        state.actor_engine.step = step
+        update(state, make_batch(), cfg)
+        grads[keep] = seen[0]
+    for a, b in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fp32 = init_state(make_cfg("starpo-s", "trainer.precision=fp32", "model.lora_rank=4"))
+    layers = [m for m in fp32.models.actor.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert layers and all(m.cast_input_dtype_enabled for m in layers)
