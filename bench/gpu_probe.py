@@ -15,8 +15,9 @@ failure does not hide the others):
             against fp32 (fp32 master weights: their ratio is ~1) and against AdamW on bf16 weights (~0).
   rollout   the hf generator (ragen's KV caches and fast decode step) at the smaller shape: generated tokens
             per second for a batch of prompts.
-  train     a short ``ragen_core.session`` run of experiments/smoke.yaml on a tiny Qwen2 on the device
-            (needs the envs' dependencies: gymnasium, pyarrow, rich, pyyaml).
+  train     short ``ragen_core.session`` runs of experiments/smoke.yaml on a tiny Qwen2 on the device, bf16:
+            StarPO-S, and vanilla StarPO under LoRA (:data:`TRAIN_VARIANTS`) (needs the envs' dependencies:
+            gymnasium, pyarrow, rich, pyyaml, pydantic).
 
 Run:  python bench/gpu_probe.py [--device cuda] [--budget-s 480]        (all of it within 8 minutes on an H100)
       python bench/gpu_probe.py --device cpu                            (small shapes, < 3 minutes: the tests run it)
@@ -238,27 +239,42 @@ def section_rollout(device: torch.device, shape: dict[str, Any], rows: int, prom
             "tok_s": round(made / seconds, 1), "fast_decode": gen._step is not None}
 
 
+TRAIN_VARIANTS = {  # name: overrides of experiments/smoke.yaml on a tiny Qwen2
+    "starpo-s": [],
+    # vanilla under LoRA: the k1 KL in the loss (its reference forward only on the iterations that log it,
+    # diagnostics.kl_every) and LoRA layers that hand autocast their bf16 inputs uncast
+    "starpo-lora": ["preset=starpo", "model.lora_rank=8", "diagnostics.kl_every=2"],
+}
+
+
 def section_train(device: torch.device, iterations: int) -> Result:
     from ragen_core import session
     from ragen_core.config import load_experiment
     from ragen_core.tracking import NullLogger
 
-    with tempfile.TemporaryDirectory(prefix="ragen-gpu-probe-") as data:
-        os.environ["RAGEN_DATA_DIR"] = data
-        cfg = load_experiment(ROOT / "experiments" / "smoke.yaml",
-                              ["model.name=tiny-qwen2", f"model.device={device.type}", "rollout.backend=hf",
-                               "trainer.backend=torch", f"trainer.iterations={iterations}", "eval.every=0",
-                               "trainer.checkpoint_every=0", "tracking.backend=none", "trainer.precision=bf16"])
-        sess = session.open_session(cfg, NullLogger(record=False), say=lambda line: None)
-        start = time.perf_counter()
-        rows = [session.run_iteration(sess) for _ in range(iterations)]
-        seconds = time.perf_counter() - start
-        on_device = next(sess.state.models.actor.parameters()).device.type == device.type
-    # losses, grad norms and entropy (explained variance is NaN when the returns do not vary: the tiny model's)
-    checked = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/value_loss", "critic/grad_norm")
-    finite = all(math.isfinite(r[k]) for r in rows for k in checked if k in r)
-    return {"iterations": len(rows), "seconds_per_iteration": round(seconds / len(rows), 3),
-            "on_device": on_device, "finite": finite, "pass": on_device and finite and len(rows) == iterations}
+    out: Result = {}
+    for name, overrides in TRAIN_VARIANTS.items():
+        with tempfile.TemporaryDirectory(prefix="ragen-gpu-probe-") as data:
+            os.environ["RAGEN_DATA_DIR"] = data
+            cfg = load_experiment(ROOT / "experiments" / "smoke.yaml",
+                                  ["model.name=tiny-qwen2", f"model.device={device.type}", "rollout.backend=hf",
+                                   "trainer.backend=torch", f"trainer.iterations={iterations}", "eval.every=0",
+                                   "trainer.checkpoint_every=0", "tracking.backend=none", "trainer.precision=bf16",
+                                   *overrides])
+            sess = session.open_session(cfg, NullLogger(record=False), say=lambda line: None)
+            start = time.perf_counter()
+            rows = [session.run_iteration(sess) for _ in range(iterations)]
+            seconds = time.perf_counter() - start
+            on_device = next(sess.state.models.actor.parameters()).device.type == device.type
+        # losses, grad norms and entropy (explained variance is NaN when the returns do not vary: the tiny model's)
+        checked = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/value_loss", "critic/grad_norm")
+        finite = all(math.isfinite(r[k]) for r in rows for k in checked if k in r)
+        kl_logged = [i for i, r in enumerate(rows) if "actor/kl_ref" in r]
+        out[name] = {"iterations": len(rows), "seconds_per_iteration": round(seconds / len(rows), 3),
+                     "on_device": on_device, "finite": finite, "kl_ref_logged_at": kl_logged,
+                     "pass": on_device and finite and len(rows) == iterations}
+    out["pass"] = all(r["pass"] for r in out.values())
+    return out
 
 
 def run(name: str, fn: Callable[[], Result], sections: dict[str, Result], deadline: float) -> Result | None:

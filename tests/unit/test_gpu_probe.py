@@ -23,3 +23,5 @@ def test_the_gpu_probe_runs_on_the_cpu() -> None:
     assert 0.9 < lr["bf16_over_fp32"] < 1.1 and lr["trap_over_fp32"] < 0.5
     assert sections["rollout"]["fast_decode"] and sections["rollout"]["tok_s"] > 0
     assert sections["train"]["pass"]
+    assert {k for k, v in sections["train"].items() if isinstance(v, dict)} == {"starpo-s", "starpo-lora"}
+    assert sections["train"]["starpo-lora"]["kl_ref_logged_at"] == [0]  # 2 iterations, the KL logged every 2nd
