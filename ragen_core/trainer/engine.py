@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -248,5 +248,5 @@ def keep_lora_inputs(models: PolicyModels) -> None:
             continue
         for layer in module.modules():
             if hasattr(layer, "cast_input_dtype_enabled"):  # peft's tuner layers (peft >= 0.15)
-                layer.cast_input_dtype_enabled = False
+                cast(Any, layer).cast_input_dtype_enabled = False
 
