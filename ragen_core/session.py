@@ -248,7 +248,7 @@ def open_session(
     with distributed.main_first():  # rank 0 repairs what a kill left in checkpoints/ before the others look
         ckpt = folder.latest_checkpoint()
     state = load_checkpoint(ckpt, cfg, base) if ckpt else init_state(cfg, base)
-    logger.set_tags({"precision": compute_precision(cfg)})  # trainer.precision auto, as this machine resolved it
+    logger.set_tags({"precision": compute_precision(cfg)})  # auto resolved for the host
     h = cfg.health
     monitor = CollapseMonitor(h.baseline_iters, h.std_drop, h.entropy_drop, h.grad_z, h.patience,
                               "off" if h.action == "off" else h.action)
