@@ -5,7 +5,9 @@ vLLM on CUDA shares the GPU with the trainer, so its engine gets an explicit sha
 configured ``rollout.vllm_gpu_memory``, or one sized from the model and the card (:func:`vllm_memory_share`),
 never vLLM's own default of 0.9, which leaves the trainer nothing and which vLLM refuses to start with beside
 a loaded actor. The engine's dtype follows the trainer's precision on CUDA (bf16 runs FlashAttention; the fp32
-master weights are cast when synced), and each rank's engine runs on the rank's own GPU.
+master weights are cast when synced), and each rank's engine runs on the rank's own GPU. The hf backend samples
+in the trainer's resolved precision too (``trainer.precision`` bf16, or ``auto`` on a CPU with bf16 matmuls: its
+prefills under autocast, its decode steps' matmuls in bf16).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from ragen_core import distributed
 from ragen_core.config import ExperimentConfig
+from ragen_core.trainer.engine import compute_precision
 
 GIB = 1024**3
 ENGINE_OVERHEAD_BYTES = GIB
@@ -40,9 +43,10 @@ def generator_kwargs(cfg: ExperimentConfig, model: torch.nn.Module, device: torc
                      value_head: torch.nn.Module | None = None) -> dict[str, Any]:
     """The ``make_generator`` keyword arguments of ``cfg.rollout.backend`` for ``model`` on ``device``."""
     r = cfg.rollout
-    if r.backend == "hf":
+    if r.backend == "hf":  # sampling in the trainer's precision, as the update will score the samples
+        bf16 = compute_precision(cfg) == "bf16"
         return {"cache_reuse": r.cache_reuse, "max_length": max_length, "fast_decode": r.fast_decode,
-                "value_head": value_head}
+                "value_head": value_head, "compute_dtype": torch.bfloat16 if bf16 else None}
     if device.type != "cuda":
         if r.vllm_sleep:
             from ragen_core.config import ConfigError

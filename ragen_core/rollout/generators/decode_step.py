@@ -136,8 +136,9 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def decode_step_for(model: torch.nn.Module) -> LlamaDecodeStep | None:
-    """A :class:`LlamaDecodeStep` for ``model``, or None when its architecture is not covered."""
+def decode_step_for(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> LlamaDecodeStep | None:
+    """A :class:`LlamaDecodeStep` for ``model`` (its weight matmuls in ``compute_dtype``, None: the weights'
+    own dtype), or None when its architecture is not covered."""
     base = _base_model(model)
     config = getattr(base, "config", None)
     if config is None or getattr(config, "model_type", None) not in _MODEL_TYPES:
@@ -151,13 +152,19 @@ def decode_step_for(model: torch.nn.Module) -> LlamaDecodeStep | None:
         return None
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return None  # DeepSpeed ZeRO-3 partitions the weights; only its hooks in model.forward gather them
-    return LlamaDecodeStep(model)
+    return LlamaDecodeStep(model, compute_dtype)
 
 
 class LlamaDecodeStep:
-    """``step(ids, positions, mask, cache) -> logits [B, V]``; see the module docstring."""
+    """``step(ids, positions, mask, cache) -> logits [B, V]``; see the module docstring.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    ``compute_dtype`` bf16 over fp32 weights runs the weight matmuls as ``torch.autocast`` would: on bf16
+    copies of the weights (packed for oneDNN's bf16 kernels on a CPU that has them), the activations cast to
+    bf16 on the way in and the results back to fp32, so the residual stream, the norms, the rotary embedding,
+    attention and the cache stay fp32. Measured with SmolLM2's shapes on this AVX512-BF16 CPU at 64 rows:
+    the layers' and output layer's matmuls 20 ms a step against 36 in fp32."""
+
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> None:
         self.model = model
         # transformers' config and modules are untyped attributes of nn.Module: Any here, checked in decode_step_for
         base: Any = _base_model(model)
@@ -176,8 +183,12 @@ class LlamaDecodeStep:
         self.last_hidden: torch.Tensor | None = None
         """[B, H] the final-norm hidden state of the last ``step`` (the one the logits came from)."""
         param = next(model.parameters())
+        self.matmul_dtype = compute_dtype or param.dtype
+        """The weight matmuls' dtype; activations of another dtype are cast to it and back."""
         self.packed = (param.device.type == "cpu" and param.dtype == torch.float32
-                       and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+                       and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                       and (self.matmul_dtype == torch.float32
+                            or (self.matmul_dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
         """Weights packed for oneDNN (module docstring); else plain ``F.linear``."""
 
     # ------------------------------------------------------------------ weights
@@ -212,6 +223,13 @@ class LlamaDecodeStep:
             self._embed = sd[prefix + "embed_tokens.weight"]
             self._final_norm = sd[prefix + "norm.weight"]
             head = sd.get("lm_head.weight", self._embed)
+            if self.matmul_dtype != self._embed.dtype:  # the matmuls' weights (and biases) in their own dtype
+                dt = self.matmul_dtype
+                for layer in self._layers:
+                    layer.qkv, layer.o = layer.qkv.to(dt), layer.o.to(dt)
+                    layer.gate_up, layer.down = layer.gate_up.to(dt), layer.down.to(dt)
+                    layer.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.to(dt)
+                    layer.o_bias = None if layer.o_bias is None else layer.o_bias.to(dt)
             if self.packed:
                 for layer in self._layers:
                     layer.qkv, layer.o = _pack(layer.qkv), _pack(layer.o)
@@ -222,15 +240,20 @@ class LlamaDecodeStep:
                 # counter then mean the same values (a new .data or an in-place step changes one of them)
                 key = (head.data_ptr(), head._version, tuple(head.shape))
                 if self._head_source is None or key != self._head_source[0]:
-                    self._head, self._head_source = _pack(head), (key, head.detach())
+                    self._head, self._head_source = _pack(head.to(self.matmul_dtype)), (key, head.detach())
             else:
-                self._head = head
+                self._head = head.to(self.matmul_dtype)
         self._stale = False
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype != self.matmul_dtype:
+            x = x.to(self.matmul_dtype)
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return F.linear(x, weight, bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        else:
+            y = F.linear(x, weight, bias)
+        return y.to(dtype)
 
     # ------------------------------------------------------------------ the step
 

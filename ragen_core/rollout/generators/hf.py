@@ -22,6 +22,7 @@ Run: ``python -m pytest tests/unit/rollout/test_generators.py -q``; speed: ``pyt
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -103,6 +104,7 @@ class HFGenerator:
         max_cached_bytes: int = 8 << 30,
         fast_decode: bool = True,
         value_head: torch.nn.Module | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         """
         model: a causal LM whose forward accepts ``past_key_values``, ``position_ids`` and ``logits_to_keep``.
@@ -124,6 +126,10 @@ class HFGenerator:
             (``Generation.values``), so the update needs no forward for its old values. It is read at each
             call, so an optimizer step on it is seen. Ignored (values None) for a model without a final norm
             module to read the hidden state from (``_final_norm``).
+        compute_dtype: bf16 over fp32 weights samples as the trainer's bf16 autocast computes (the session
+            passes its resolved ``trainer.precision``): prefills run under ``torch.autocast``, the fast decode
+            step's weight matmuls in bf16 (``LlamaDecodeStep``); the cache, attention and the sampled
+            log-probabilities stay fp32. None: the weights' dtype throughout.
         """
         self.model = model
         self.device = next(model.parameters()).device
@@ -138,7 +144,9 @@ class HFGenerator:
         self.shrink_below = shrink_below
         self.max_cached_bytes = max_cached_bytes
         _check_plain_attention(model)
-        self._step = decode_step_for(model) if fast_decode else None
+        weights = next(model.parameters()).dtype
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, weights) else None
+        self._step = decode_step_for(model, self.compute_dtype) if fast_decode else None
         self.value_head = value_head
         self._norm = _final_norm(model)
         self._hidden: torch.Tensor | None = None  # [B, H] last position's hidden state, from the norm's hook
@@ -271,7 +279,9 @@ class HFGenerator:
         if session_ids is not None and self.cache_reuse and not params.last_turn:
             keep = self._keeper(rows, session_ids)
         values = self._values if self._records_values() else None
-        out = _decode(self.model, batch, rows, params, self.pad_token_id, self.shrink_below, keep, self._step, values)
+        with self._autocast() if self._step is None else contextlib.nullcontext():  # the step casts on its own
+            out = _decode(self.model, batch, rows, params, self.pad_token_id, self.shrink_below, keep, self._step,
+                          values)
         self._stats["decode_seconds"] += time.perf_counter() - t1
         self._stats["decode_tokens"] += batch.fed
         self._stats["generated_tokens"] += sum(len(g.token_ids) for g in out)
@@ -376,17 +386,27 @@ class HFGenerator:
         if reused > 0:  # the kept caches stacked once, straight into buffers with room for the suffix and replies
             like = next(r.cached for r in group if r.cached is not None)
             cache = stacked_cache([r.cached for r in group], reused, like, room=new + room)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._autocast():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        logits = out.logits[:, -1, :].float()
+        if self.compute_dtype is not None:
+            _cache_to(out.past_key_values, next(self.model.parameters()).dtype)
         if reused == 0 and room > 0:  # transformers' own cache: into growing buffers (one copy) to decode in
-            return growing_cache(cache_layers(out.past_key_values), room), mask, out.logits[:, -1, :]
-        return out.past_key_values, mask, out.logits[:, -1, :]
+            return growing_cache(cache_layers(out.past_key_values), room), mask, logits
+        return out.past_key_values, mask, logits
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        """``torch.autocast`` to ``compute_dtype``, or nothing."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _keeper(
         self, rows: list[_Row], session_ids: Sequence[Hashable]
@@ -594,9 +614,19 @@ def _feed(
             use_cache=True,
             logits_to_keep=1,
         )
-        batch.logits = out.logits[:, -1, :]
+        batch.logits = out.logits[:, -1, :].float()  # bf16 under autocast
     if values_of is not None:
         batch.values = values_of(step.last_hidden if step is not None else None)
+
+
+def _cache_to(cache: DynamicCache, dtype: torch.dtype) -> None:
+    """Keys and values of ``dtype`` in every layer of a cache a prefill under autocast filled (its value
+    projections came out in the autocast dtype; the kept caches, the decode step and its kernel hold ``dtype``)."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None:
+            if layer.keys.dtype != dtype or layer.values.dtype != dtype:
+                layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+                layer.dtype = dtype
 
 
 def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -216,3 +216,36 @@ def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
         assert f.token_ids[0] == s.token_ids[0]
         assert abs(f.logprobs[0] - s.logprobs[0]) < 0.05
     assert sum(f.token_ids == s.token_ids for f, s in zip(fast, slow, strict=True)) >= len(prompts) - 2
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "f-linear"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: bool, packed: bool) -> None:
+    """compute_dtype bf16 (a trainer under bf16 autocast): the step's weight matmuls run in bf16, its cache and
+    attention stay fp32. Its logits are model.forward's under torch.autocast within bf16 rounding, they are not
+    the fp32 step's (the matmuls did run in bf16), and every cache column it appends is fp32."""
+    model, _ = tiny_random(seed=3)
+    if lora:
+        model = with_trained_lora(model, ["q_proj", "v_proj", "up_proj"])
+    model.eval()
+    step, exact = decode_step_for(model, torch.bfloat16), decode_step_for(model)
+    assert step is not None and exact is not None and step.matmul_dtype == torch.bfloat16
+    step.packed = step.packed and packed  # oneDNN's bf16 kernels where this CPU has them; F.linear otherwise
+    prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]]
+    (bf_cache, mask), (fp_cache, _), (auto_cache, _) = (_prefilled(model, prompts) for _ in range(3))
+    ids = torch.tensor([17, 3, 25])
+    for _ in range(3):
+        positions = mask.sum(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
+        fast = step.step(ids, positions[:, 0], mask, bf_cache)
+        fp32 = exact.step(ids, positions[:, 0], mask, fp_cache)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions,
+                         past_key_values=auto_cache, use_cache=True).logits[:, -1, :].float()
+        assert fast.dtype == torch.float32
+        # logits of about 1: bf16's spacing there is 2^-7 (0.0078); autocast's attention and MLP products run in
+        # bf16 where the step's stay fp32, so the two differ by a rounding or two of the output, not more
+        torch.testing.assert_close(fast, auto, rtol=0, atol=1e-2)
+        assert (fast - fp32).abs().max() > 1e-3
+        assert {t.dtype for layer in cache_layers(bf_cache) for t in layer} == {torch.float32}
+        ids = fp32.argmax(-1)

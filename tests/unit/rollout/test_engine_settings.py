@@ -11,6 +11,7 @@ import torch
 
 from ragen_core.config import ConfigError
 from ragen_core.rollout.engine_settings import ENGINE_OVERHEAD_BYTES, GIB, generator_kwargs, vllm_memory_share
+from ragen_core.trainer import engine
 from tests.unit.trainer.conftest import make_cfg
 
 QWEN25_05B = SimpleNamespace(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
@@ -45,4 +46,17 @@ def test_on_the_cpu_vllm_needs_no_share_and_cannot_sleep() -> None:
         generator_kwargs(make_cfg("starpo-s", "rollout.backend=vllm", "rollout.vllm_sleep=true"),
                          torch.nn.Linear(2, 2), torch.device("cpu"), 2048)
     hf = generator_kwargs(make_cfg("starpo-s"), torch.nn.Linear(2, 2), torch.device("cpu"), 2048)
-    assert set(hf) == {"cache_reuse", "max_length", "fast_decode", "value_head"}
+    assert set(hf) == {"cache_reuse", "max_length", "fast_decode", "value_head", "compute_dtype"}
+
+
+def test_the_hf_generator_samples_in_the_trainers_resolved_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    def dtype(*overrides: str) -> torch.dtype | None:
+        return generator_kwargs(make_cfg("starpo-s", *overrides), torch.nn.Linear(2, 2), torch.device("cpu"),
+                                2048)["compute_dtype"]
+
+    assert dtype() is None and dtype("trainer.precision=fp32") is None
+    assert dtype("trainer.precision=bf16") == torch.bfloat16
+    monkeypatch.setattr(engine, "cpu_multiplies_bf16", lambda: True)
+    assert dtype("trainer.precision=auto") == torch.bfloat16
+    monkeypatch.setattr(engine, "cpu_multiplies_bf16", lambda: False)
+    assert dtype("trainer.precision=auto") is None

@@ -424,3 +424,31 @@ def test_streams_name_each_rows_random_stream():
     assert torch.rand(4, generator=a[1]).tolist() == torch.rand(4, generator=b[0]).tolist()
     with pytest.raises(ValueError, match="2 sampling streams for 3 rows"):
         row_generators(3, 3, [1, 2])
+
+
+def test_bf16_sampling_keeps_fp32_caches_and_scores_as_autocast_does(tiny):
+    """compute_dtype bf16 (the session's when trainer.precision resolves to bf16): over three turns with cache
+    reuse, every sampled id's log-prob is what one forward under bf16 autocast gives it (within bf16 rounding),
+    the kept caches are fp32, and the sampling really ran in bf16 (it is not the fp32 forward's, to 1e-4)."""
+    model, tokenizer = tiny
+    gen = HFGenerator(model, tokenizer, compute_dtype=torch.bfloat16)
+    assert gen.compute_dtype == torch.bfloat16 and HFGenerator(model, tokenizer).compute_dtype is None
+    contexts, sessions = _prompts(tokenizer, TEXTS), ["a", "b", "c"]
+    gaps = []
+    for turn in range(3):
+        out = gen.generate(contexts, SamplingParams(max_new_tokens=7, seed=turn), session_ids=sessions)
+        for prompt, g in zip(contexts, out, strict=True):
+            ids = torch.tensor([list(prompt) + list(g.token_ids)])
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as the update scores them
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            auto = torch.log_softmax(logits, -1).gather(1, torch.tensor(g.token_ids)[:, None]).squeeze(1)
+            assert torch.allclose(torch.tensor(g.logprobs), auto, atol=1e-2)  # measured: at most 2e-3
+            gaps.append((torch.tensor(g.logprobs) - teacher_forced_logprobs(model, prompt, g.token_ids)).abs().max())
+        if turn < 2:
+            assert gen.stats["reused_tokens"] > 0 or turn == 0
+            kept = [t.dtype for s in gen._sessions.values() for layer in s.layers for t in layer]
+            assert set(kept) == {torch.float32} and len(kept) > 0
+        user = tokenizer.encode(f"<|im_end|>\nTurn {turn + 2}: State: P _ O G")
+        contexts = [c + list(g.token_ids) + user[: 5 + i] for i, (c, g) in enumerate(zip(contexts, out, strict=True))]
+    assert gen.stats["reused_tokens"] > 0
+    assert max(gaps) > 1e-4
