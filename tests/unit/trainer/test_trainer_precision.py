@@ -119,3 +119,48 @@ def test_bf16_lora_skips_the_input_casts_and_computes_the_same() -> None:
     fp32 = init_state(make_cfg("starpo-s", "trainer.precision=fp32", "model.lora_rank=4"))
     layers = [m for m in fp32.models.actor.modules() if hasattr(m, "cast_input_dtype_enabled")]
     assert layers and all(m.cast_input_dtype_enabled for m in layers)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora-base", "reference-model"])
+def test_bf16_forwards_reuse_copies_of_the_frozen_weights_and_compute_the_same(lora: bool) -> None:
+    """On a CPU under bf16 autocast the torch engine keeps bf16 copies of the frozen linear weights (a LoRA base,
+    a separate reference model) instead of casting them in every forward (engine.FrozenCasts): the update's
+    gradients are bitwise those of plain autocast; outside a forward the layers hold their fp32 weights; the
+    copies are made once and remade when a weight changes; weights tied to the embedding are not copied."""
+    overrides = ["trainer.precision=bf16", "model.lora_rank=4"] if lora else ["trainer.precision=bf16",
+                                                                              "algorithm.kl_coef=0.01"]
+    grads = {}
+    for cached in (True, False):
+        cfg = make_cfg("starpo-s", *overrides)
+        state = init_state(cfg)
+        frozen = state.actor_engine.frozen
+        assert frozen is not None and frozen.layers
+        embeddings = {id(m.weight) for m in state.models.actor.modules() if isinstance(m, torch.nn.Embedding)}
+        assert not any(id(layer.weight) in embeddings for layer in frozen.layers)
+        if not cached:
+            state.actor_engine.frozen = None
+        seen: list[list[torch.Tensor]] = []
+
+        def step(engine=state.actor_engine, original=state.actor_engine.step, seen=seen) -> float:
+            seen.append([p.grad.clone() for p in engine.params])
+            return original()
+
+        state.actor_engine.step = step
+        update(state, make_batch(), cfg)
+        grads[cached] = seen[0]
+        if cached:
+            assert {layer.weight.dtype for layer in frozen.layers} == {torch.float32}
+            copies = {k: v[1] for k, v in frozen._copies.items()}
+            assert len(copies) == len(frozen.layers)
+            assert {c.dtype for c in copies.values()} == {torch.bfloat16}
+            update(state, make_batch(), cfg)
+            assert all(frozen._copies[k][1] is c for k, c in copies.items())  # reused, not cast again
+            first = frozen.layers[0]
+            with torch.no_grad():
+                first.weight.mul_(2.0)  # the version counter moves
+            doubled = first.weight.detach().to(torch.bfloat16)
+            with frozen.swapped():
+                assert first.weight is not copies[id(first)]
+                torch.testing.assert_close(first.weight.detach(), doubled, rtol=0, atol=0)
+    for a, b in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
