@@ -346,6 +346,10 @@ class HealthConfig:
     entropy_drop: float = F(0.5, "warn when entropy falls below this fraction of its early level", gt=0.0, le=1.0)
     grad_z: float = F(4.0, "a grad-norm z-score above this counts as a spike", gt=0.0)
     patience: int = F(3, "consecutive unhealthy iterations before acting", ge=1)
+    level_drop: float | None = F(0.1, "level term: the early signs count only while training success (mean of the "
+                                      "last `patience` iterations) is at least this far below its best such mean, "
+                                      "so a run converged at its best does not warn; null: at any level",
+                                 ge=0.0, le=1.0)
     # RAGEN-2's early-stop rules and the template-collapse rule (tracking/early_stop.py, SPEC §8)
     std_rule: Literal["warn", "stop", "off"] = F("warn", "reward std under std_rule_frac of its early mean for "
                                                          "std_rule_patience iterations")

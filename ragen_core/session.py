@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -251,7 +252,7 @@ def open_session(
     logger.set_tags({"precision": compute_precision(cfg)})  # auto resolved for the host
     h = cfg.health
     monitor = CollapseMonitor(h.baseline_iters, h.std_drop, h.entropy_drop, h.grad_z, h.patience,
-                              "off" if h.action == "off" else h.action)
+                              "off" if h.action == "off" else h.action, level_drop=h.level_drop)
     rules = EarlyStopRules.from_config(h)
     if ckpt and (ckpt / "health.json").exists():
         saved = json.loads((ckpt / "health.json").read_text())
@@ -459,7 +460,8 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
     now = time.perf_counter()
     metrics["timing/iteration_s"], sess.last_record = now - sess.last_record, now
     report = sess.monitor.update(step, metrics.get("rollout/reward_std_all", metrics.get("rollout/reward_std", 0.0)),
-                                 metrics.get("actor/entropy", 0.0), metrics.get("actor/grad_norm", 0.0))
+                                 metrics.get("actor/entropy", 0.0), metrics.get("actor/grad_norm", 0.0),
+                                 metrics.get("rollout/success", math.nan))
     metrics.update(report.metrics)
     if report.warning:
         sess.say(f"[health] {report.warning}")

@@ -37,6 +37,7 @@ from ragen_core.tracking.run_history import RunHistory, success_series
 __all__ = [
     "MOVE_SIGNALS",
     "RULE_PATIENCE_KEYS",
+    "RUN_CSV_METRICS",
     "SIGNALS",
     "STUDY_CURVES",
     "GroupRow",
@@ -51,6 +52,7 @@ __all__ = [
     "judge",
     "monitor_rows",
     "rule_patience",
+    "run_rows",
     "signal_fires",
     "study_metrics",
     "summary_metrics",
@@ -90,10 +92,17 @@ def rule_patience(health: HealthConfig | None = None) -> dict[str, int]:
     return {rule: getattr(h, key) for rule, key in RULE_PATIENCE_KEYS.items()}
 
 
+RUN_CSV_METRICS = ("val/success", "rollout/success", "rollout/reward_std_all", "rollout/reward_std_kept",
+                   "actor/entropy", "actor/grad_norm", "response/length_mean", "response/clip_ratio",
+                   "rollout/format_ok_ratio", "collapse/first_turn/mi", "health/early_warning", "health/level_gap",
+                   "timing/update_s", "timing/rollout_s")
+"""The columns of a study's per-run curves (runs.csv), one row per run and iteration."""
+
+
 def study_metrics() -> tuple[str, ...]:
-    """Every metric a study reads from a run (curves, timing, the monitor's streaks and warnings)."""
-    return (*STUDY_CURVES.values(), "timing/update_s", "timing/rollout_s", "health/early_warning",
-            *(f"health/{rule}_streak" for rule in RULE_PATIENCE_KEYS))
+    """Every metric a study reads from a run (curves, per-run CSV, timing, the monitor's streaks and warnings)."""
+    return tuple(dict.fromkeys((*STUDY_CURVES.values(), *RUN_CSV_METRICS, "timing/update_s", "timing/rollout_s",
+                                "health/early_warning", *(f"health/{rule}_streak" for rule in RULE_PATIENCE_KEYS))))
 
 
 def band(series_by_run: Iterable[Series]) -> list[tuple[int, float, float, int]]:
@@ -356,10 +365,26 @@ def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[object
     return path
 
 
+def run_rows(groups: Mapping[str, Sequence[RunHistory]]) -> list[list[object]]:
+    """runs.csv's rows: run, group, seed, iteration, then :data:`RUN_CSV_METRICS` (empty where not logged)."""
+    rows: list[list[object]] = []
+    for group, runs in groups.items():
+        for run in runs:
+            by_metric = {m: dict(run.histories.get(m, ())) for m in RUN_CSV_METRICS}
+            steps = sorted({int(s) for values in by_metric.values() for s in values})
+            for step in steps:
+                rows.append([run.name, group, run.tags.get("seed", ""), step,
+                             *(by_metric[m].get(step) for m in RUN_CSV_METRICS)])
+    return rows
+
+
 def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "preset", drop: float = 0.15,
-                patience: Mapping[str, int] | None = None, title: str = "study") -> dict[str, Path]:
-    """study.md, groups.csv, monitor.csv, curves.csv and curves.png (mean line and ±1 std band per group)
-    into ``out_dir``; returns them by kind."""
+                patience: Mapping[str, int] | None = None, title: str = "study", lead: int = 10) -> dict[str, Path]:
+    """study.md, groups.csv, monitor.csv, episodes.csv (sweeps/accounting.py: what each run did and the
+    monitor's verdicts per class, ``lead`` iterations counting as early), runs.csv (every run's curves),
+    curves.csv and curves.png (mean line and ±1 std band per group) into ``out_dir``; returns them by kind."""
+    from ragen_core.sweeps import accounting  # it builds on this module's collapse_at and signals
+
     if not runs:
         raise ValueError("nothing to aggregate: no runs")
     patience = rule_patience() if patience is None else patience
@@ -368,8 +393,18 @@ def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "pres
     table = group_table(groups, drop)
     judgements = monitor_rows(groups, patience, drop)
     moves = {run.name: first_moves(run) for run in runs}
+    verdicts = [v for g, rs in groups.items() for r in rs for v in accounting.score(r, g, patience, drop, lead)]
     paths = {"md": out_dir / "study.md"}
-    paths["md"].write_text(study_markdown(title, table, judgements, moves, drop))
+    report = study_markdown(title, table, judgements, moves, drop)
+    paths["md"].write_text(report + "\n" + "\n".join(accounting.accounting_markdown(verdicts, lead)) + "\n")
+    paths["episodes"] = _write_csv(out_dir / "episodes.csv", ["run", "group", "signal", "class", "start", "end",
+                                                              "depth", "duration", "level", "mode", "verdict",
+                                                              "fired_at"],
+                                   [(v.run, v.group, v.signal, v.episode.kind, v.episode.start, v.episode.end,
+                                     v.episode.depth, v.episode.duration, v.episode.level, v.episode.mode, v.verdict,
+                                     v.fired_at) for v in verdicts])
+    paths["runs"] = _write_csv(out_dir / "runs.csv", ["run", group_by, "seed", "iteration", *RUN_CSV_METRICS],
+                               run_rows(groups))
     paths["groups"] = _write_csv(out_dir / "groups.csv", ["group", "seeds", "final_mean", "final_std", "peak_mean",
                                                           "peak_std", "peak_iteration_mean", "collapsed",
                                                           "update_s", "rollout_s"],

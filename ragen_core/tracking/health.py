@@ -7,8 +7,13 @@ as a z-score against its recent history, emits ``health/*`` metrics every iterat
 warning when the early signs persist, and, with ``action="stop"``, asks the trainer to
 end the run cleanly when a gradient spike confirms them.
 
+The level term tells convergence from collapse: a run that has solved its task shows the same
+early signs (zero reward std, falling entropy), at its best success. With ``level_drop`` set,
+the signs count only while the run's level (its training success, averaged over the last
+``patience`` updates) is at least ``level_drop`` below the best such average it has had.
+
     mon = CollapseMonitor(action="stop")
-    rep = mon.update(step=it, reward_std=0.42, entropy=1.3, grad_norm=0.8)
+    rep = mon.update(step=it, reward_std=0.42, entropy=1.3, grad_norm=0.8, level=0.9)
     logger.log_metrics(rep.metrics, step=it)
     if rep.warning: print(rep.warning)
     if rep.stop: raise SystemExit(rep.reason)      # the trainer saves and ends instead
@@ -36,7 +41,8 @@ class HealthReport:
 
     metrics: dict[str, float]
     """health/reward_std_ratio, health/entropy_ratio, health/grad_norm_z, health/collapse_score,
-    health/early_warning (1.0 while the early signs have lasted ``patience`` updates)."""
+    health/early_warning (1.0 while the early signs have lasted ``patience`` updates), health/level_gap (the best
+    ``patience``-update mean of the level so far minus the current one; NaN until known)."""
     warning: str | None
     """A message for the person watching, or None."""
     stop: bool
@@ -60,6 +66,10 @@ class MonitorState:
     warned: bool = False
     """The early warning for the current streak has been given."""
     last_step: int | None = None
+    levels: tuple[float, ...] = ()
+    """The last ``patience`` finite levels (training success), oldest first."""
+    best_level: float = -math.inf
+    """The best average of ``patience`` consecutive levels so far."""
 
 
 class CollapseMonitor:
@@ -74,6 +84,7 @@ class CollapseMonitor:
         patience: int = 3,
         action: str = "warn",
         grad_window: int = 20,
+        level_drop: float | None = None,
     ) -> None:
         """Thresholds (same names as ``HealthConfig``); defaults are judgement, not tuned:
 
@@ -98,6 +109,8 @@ class CollapseMonitor:
         gradients stay small. Success is not an input: by the time it drops (the paper's
         confirmation) the run is already lost, which is what an early stop is meant to avoid.
         ``action``: 'warn' (report only), 'stop' (also set ``stop``), 'off' (metrics only).
+        ``level_drop``: the level term (module docstring), in success units; None: off, the signs
+        count at any level.
         """
         if action not in ACTIONS:
             raise ValueError(f"action {action!r} must be one of {', '.join(ACTIONS)}")
@@ -107,6 +120,8 @@ class CollapseMonitor:
             raise ValueError("std_drop and entropy_drop are fractions of the early level, in (0, 1]")
         if grad_z <= 0.0:
             raise ValueError("grad_z must be > 0")
+        if level_drop is not None and not 0.0 <= level_drop <= 1.0:
+            raise ValueError("level_drop is a drop in success, in [0, 1]")
         self.baseline_iters = baseline_iters
         self.std_drop = std_drop
         self.entropy_drop = entropy_drop
@@ -114,11 +129,23 @@ class CollapseMonitor:
         self.patience = patience
         self.action = action
         self.grad_window = grad_window
+        self.level_drop = level_drop
         self.state = MonitorState()
 
-    def update(self, step: int, reward_std: float, entropy: float, grad_norm: float) -> HealthReport:
-        """Judge one iteration's diagnostics; replaces ``self.state`` and returns the report."""
+    def update(self, step: int, reward_std: float, entropy: float, grad_norm: float,
+               level: float = math.nan) -> HealthReport:
+        """Judge one iteration's diagnostics (``level``: its training success, for the level term; NaN: not
+        known); replaces ``self.state`` and returns the report."""
         s = self.state
+        levels, best = s.levels, s.best_level
+        if math.isfinite(level):
+            levels = (levels + (float(level),))[-self.patience:]
+        smoothed = sum(levels) / len(levels) if levels else math.nan
+        if len(levels) == self.patience:
+            best = max(best, smoothed)
+        gap = best - smoothed if math.isfinite(best) and math.isfinite(smoothed) else math.nan
+        # near its best level a run's low std and entropy are convergence, not a trap (unknown level: no judgement)
+        at_best = self.level_drop is not None and math.isfinite(gap) and gap < self.level_drop
         # early-run level: mean over the first baseline_iters updates with finite values
         seen, std_sum, ent_sum = s.seen, s.std_sum, s.entropy_sum
         if seen < self.baseline_iters and math.isfinite(reward_std) and math.isfinite(entropy):
@@ -130,7 +157,7 @@ class CollapseMonitor:
         ent_low = ready and ent_ratio < self.entropy_drop
 
         z, spike = self._grad_z(grad_norm, s.grad_norms)
-        streak = s.streak + 1 if (std_low or ent_low) else 0
+        streak = s.streak + 1 if (std_low or ent_low) and not at_best else 0
         early = streak >= self.patience
         score = float(std_low) + float(ent_low) + float(spike)
 
@@ -158,13 +185,14 @@ class CollapseMonitor:
         grads = s.grad_norms
         if math.isfinite(grad_norm):
             grads = (grads + (float(grad_norm),))[-self.grad_window:]
-        self.state = MonitorState(seen, std_sum, ent_sum, grads, streak, warned, int(step))
+        self.state = MonitorState(seen, std_sum, ent_sum, grads, streak, warned, int(step), levels, best)
         metrics = {
             "health/reward_std_ratio": std_ratio,
             "health/entropy_ratio": ent_ratio,
             "health/grad_norm_z": z,
             "health/collapse_score": score,
             "health/early_warning": float(early),
+            "health/level_gap": gap,
         }
         return HealthReport(metrics=metrics, warning=warning, stop=stop, reason=reason)
 
@@ -188,12 +216,14 @@ class CollapseMonitor:
         """Plain-data state for checkpoints (JSON/torch.save friendly)."""
         d = dataclasses.asdict(self.state)
         d["grad_norms"] = list(self.state.grad_norms)
+        d["levels"] = list(self.state.levels)
         return d
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         d = dict(state)
         d["grad_norms"] = tuple(float(g) for g in d.get("grad_norms", ()))
+        d["levels"] = tuple(float(v) for v in d.get("levels", ()))  # absent in checkpoints made before the term
         self.state = MonitorState(**d)
 
 

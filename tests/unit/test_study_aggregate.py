@@ -143,5 +143,21 @@ def test_write_study_files(tmp_path: Path) -> None:
     assert float(row[3]) == pytest.approx(0.65) and float(row[4]) == pytest.approx(0.3 / math.sqrt(2)) and row[5] == "2"
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     assert paths["monitor"].read_text().count("\n") == 1 + 4 * 5
+    # every run's own curves: starpo seed 1 logged val/success 0.5 at step 5 and entropy 1 + 5 there
+    per_run = paths["runs"].read_text().splitlines()
+    assert per_run[0].startswith("run,preset,seed,iteration,val/success,rollout/success,")
+    header = per_run[0].split(",")
+    row = dict(zip(header, next(r for r in per_run if r.startswith("starpo-1,starpo,1,5,")).split(","), strict=True))
+    assert float(row["val/success"]) == pytest.approx(0.5) and float(row["actor/entropy"]) == pytest.approx(6.0)
+    assert len(per_run) == 1 + 4 * 6  # four runs, entropy at steps 0-5
+    # the accounting: starpo seed 1 stayed at 0.5 (converged from step 0), the others rose to 0.8 at step 5
+    # (converged from there); starpo's entropy rose 1, 2, ..., 6: over 1.5 x the mean of its first 3 points (2)
+    # from step 3, up to 6 / 2 = 3 times it
+    assert "| starpo-1 | starpo | converged | 0 | 5 | - | - | 0.50 | - |" in md
+    assert "| starpo-s-0 | starpo-s | converged | 5 | 5 | - | - | 0.80 | - |" in md
+    assert "| starpo-0 | starpo | entropy eruption | 3 | 5 | - | 2 | 3.00 | - |" in md
+    assert "| echo_trap | entropy eruption | 0 | 0 | 2 | - | - |" in md
+    episodes = paths["episodes"].read_text().splitlines()
+    assert episodes[0] == "run,group,signal,class,start,end,depth,duration,level,mode,verdict,fired_at"
     with pytest.raises(ValueError, match="no runs"):
         write_study([], tmp_path / "x")

@@ -134,19 +134,60 @@ def test_warning_repeats_only_after_recovery() -> None:
 
 
 def test_state_dict_round_trip_continues_identically() -> None:
-    a = CollapseMonitor(action="stop")
-    run(a, COLLAPSE[:8])
+    a = CollapseMonitor(action="stop", level_drop=0.1)
+    for i, (s, e, g) in enumerate(COLLAPSE[:8]):
+        a.update(i, s, e, g, level=0.5 + 0.05 * i)
     saved = json.loads(json.dumps(a.state_dict()))  # checkpoint-friendly plain data
-    b = CollapseMonitor(action="stop")
+    assert saved["levels"] == pytest.approx([0.75, 0.8, 0.85])
+    b = CollapseMonitor(action="stop", level_drop=0.1)
     b.load_state_dict(saved)
     assert b.state == a.state
     assert run(a, COLLAPSE[8:], start=8) == run(b, COLLAPSE[8:], start=8)
+    old = {k: v for k, v in saved.items() if k not in ("levels", "best_level")}  # a checkpoint from before the term
+    c = CollapseMonitor(action="stop", level_drop=0.1)
+    c.load_state_dict(old)
+    assert c.state.levels == () and c.state.best_level == -math.inf
+
+
+def levelled(mon: CollapseMonitor, seq: list[tuple[float, float, float]], levels: list[float]) -> list:
+    return [mon.update(i, s, e, g, level=lv) for i, ((s, e, g), lv) in enumerate(zip(seq, levels, strict=True))]
+
+
+def test_the_level_term_keeps_a_run_converged_at_its_best_quiet() -> None:
+    """The converged run above, with its success: it rises to 1.0 and stays. Zero reward std and low entropy at
+    the run's best level are convergence: with the level term no early warning; without it, the false alarm."""
+    seq = [*BASE] + [(0.0, 0.5, 0.8 * 0.9**k) for k in range(30)]
+    levels = [0.5, 0.6, 0.7, 0.8, 0.9] + [1.0] * 30
+    quiet = levelled(CollapseMonitor(action="stop", level_drop=0.1), seq, levels)
+    assert not any(r.metrics["health/early_warning"] for r in quiet) and not any(r.warning for r in quiet)
+    # golden: steps 0-1 have fewer than patience (3) levels, so no gap yet; step 2's mean (0.5+0.6+0.7)/3 = 0.6 is
+    # the best so far (gap 0); at step 9 the mean is 1.0 and so is the best
+    assert math.isnan(quiet[1].metrics["health/level_gap"])
+    assert quiet[2].metrics["health/level_gap"] == pytest.approx(0.0)
+    assert quiet[9].metrics["health/level_gap"] == pytest.approx(0.0)
+    loud = levelled(CollapseMonitor(action="stop"), seq, levels)
+    assert any(r.metrics["health/early_warning"] for r in loud)
+
+
+def test_the_level_term_still_warns_when_success_falls_from_its_best() -> None:
+    """The golden collapse with its success: 0.9 through step 6, then 0.7 from step 7. The 3-update means are
+    0.9 (best) through step 6, then (0.9 + 0.9 + 0.7)/3 = 0.833 at 7 (gap 0.067 < 0.1: the signs do not
+    count), (0.9 + 0.7 + 0.7)/3 = 0.767 at 8 (gap 0.133), 0.7 at 9 and 10. The streak starts at 8, so the
+    warning comes at 10, two updates later than without the term, together with the spike's stop."""
+    levels = [0.9] * 7 + [0.7] * 4
+    reps = levelled(CollapseMonitor(action="stop", level_drop=0.1), COLLAPSE, levels)
+    assert reps[7].metrics["health/level_gap"] == pytest.approx(0.9 - 2.5 / 3)
+    assert reps[8].metrics["health/level_gap"] == pytest.approx(0.9 - 2.3 / 3)
+    assert [r.metrics["health/early_warning"] for r in reps[6:]] == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert reps[10].stop and "early warning" in reps[10].warning
+    unknown = levelled(CollapseMonitor(action="stop", level_drop=0.1), COLLAPSE, [math.nan] * len(COLLAPSE))
+    assert unknown == run(CollapseMonitor(action="stop"), COLLAPSE)  # no level known: no judgement from it
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [{"action": "halt"}, {"std_drop": 0.0}, {"entropy_drop": 1.5}, {"grad_z": 0.0}, {"patience": 0},
-     {"baseline_iters": 0}, {"grad_window": 5}],
+     {"baseline_iters": 0}, {"grad_window": 5}, {"level_drop": -0.1}, {"level_drop": 1.5}],
 )
 def test_bad_thresholds_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -157,10 +198,10 @@ def test_accepts_the_health_config_section() -> None:
     from ragen_core.config import ExperimentConfig, to_dict
     from ragen_core.tracking import EarlyStopRules
 
-    echo_keys = ("action", "baseline_iters", "std_drop", "entropy_drop", "grad_z", "patience")
+    echo_keys = ("action", "baseline_iters", "std_drop", "entropy_drop", "grad_z", "patience", "level_drop")
     health = ExperimentConfig().health
     mon = CollapseMonitor(**{k: v for k, v in to_dict(health).items() if k in echo_keys})
-    assert (mon.baseline_iters, mon.std_drop, mon.patience, mon.action) == (5, 0.3, 3, "warn")
+    assert (mon.baseline_iters, mon.std_drop, mon.patience, mon.action, mon.level_drop) == (5, 0.3, 3, "warn", 0.1)
     rules = EarlyStopRules.from_config(health)  # the rest of the section: RAGEN-2's rules, warn by default
     assert rules.actions == {"reward_std": "warn", "val_success": "warn", "empty_filter": "warn", "template": "warn"}
     assert (rules.std_frac, rules.std_baseline, rules.std_patience, rules.val_patience, rules.empty_patience) == \
