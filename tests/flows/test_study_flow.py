@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.compare import compare
 from flows.sweep import sweep
-from ragen_core.config import ConfigError
+from ragen_core.config import ConfigError, load_experiment
 from ragen_core.sweeps import plan_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +108,13 @@ def test_the_repository_study_files_are_valid() -> None:
     for name, plan in plans.items():
         assert (ROOT / "studies" / name).read_text().startswith("#"), f"{name} needs a header comment"
         assert plan.sweep.group_by and set(plan.grid["trainer.seed"]) >= {0, 1, 2}  # >= 3 seeds each
-        assert {"starpo", "starpo-s"} <= set(plan.grid["preset"])
+        # the presets compared: a grid dimension, or one per base experiment (studies/bases/)
+        presets = set(plan.grid.get("preset", ())) | {load_experiment(p).preset for p in plan.bases.values()}
+        assert {"starpo", "starpo-s"} <= presets
     assert plans["echo-trap-bandit.yaml"].target == 6
+    assert plans["bandit-presets.yaml"].target == 12 and plans["bandit-payoff-control.yaml"].target == 6
+    vanilla = load_experiment(plans["bandit-vanilla-paper.yaml"].bases["demo-starpo"],
+                              plans["bandit-vanilla-paper.yaml"].sweep.overrides)
+    assert vanilla.algorithm.kl_in_reward and vanilla.trainer.mini_batch_rows == 16  # 4 steps at 8 x 8
     paper = plans["echo-trap-paper.yaml"]
     assert paper.target == 18 and paper.sweep.dispatch == "deployment" and paper.sweep.group_by == "env,preset"
