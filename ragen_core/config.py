@@ -384,6 +384,19 @@ class DiagnosticsConfig:
     kl_every: int = F(5, "with the k1 KL in the loss (vanilla StarPO), whose gradient does not read the reference, "
                          "the reference forward runs only to log actor/kl_ref: every N iterations (and at the "
                          "first); 1 every iteration, 0 never", ge=0)
+    grad_buckets_every: int = F(0, "RAGEN-2's gradient analysis: every N iterations (and at the first), the gradient "
+                                   "norm of each loss term (task, entropy, kl, value) over the groups of each "
+                                   "reward-std bucket of the unfiltered batch, logged as grad/<bucket>/<term>; "
+                                   "0 disables", ge=0)
+    grad_bucket_edges: tuple[float, ...] = F((0.2,), "in-group reward std edges of the buckets: 'zero' (std 0), "
+                                                     "then (0, e1], (e1, e2], ..., (e_last, inf)")
+    grad_bucket_rows: int = F(8, "most rows (whole groups, in batch order) per bucket: one forward and one backward "
+                                 "per term each", ge=1)
+
+    def __post_init__(self) -> None:
+        edges = self.grad_bucket_edges
+        if any(e <= 0 for e in edges) or list(edges) != sorted(set(edges)):
+            raise ConfigError(f"grad_bucket_edges: {list(edges)} must be positive and increasing")
 
 
 PRESET_NAMES = ("starpo", "starpo-s", "grpo", "starpo-s-snr", "custom")
@@ -434,6 +447,9 @@ class ExperimentConfig:
             _ = self.warmup_rollout_config  # validates the keys, types and bounds now, not when the warm-up starts
         if self.eval.seed_start + self.eval.seeds > 1_000_000:
             raise ConfigError("eval.seed_start: held-out seeds must stay below 1,000,000, where training seeds start")
+        if self.diagnostics.grad_buckets_every and self.trainer.backend != "torch":
+            raise ConfigError("diagnostics.grad_buckets_every: the gradient analysis takes each loss term's gradient "
+                              "with torch.autograd; it needs trainer.backend=torch (DeepSpeed partitions them)")
         owned = sorted(set(self.trainer.deepspeed) & DEEPSPEED_OWNED_KEYS)
         if "stage" in (self.trainer.deepspeed.get("zero_optimization") or {}):
             owned.append("zero_optimization.stage")

@@ -80,6 +80,7 @@ from ragen_core.trainer import (
 from ragen_core.trainer.collapse import measure_collapse, measure_later_turns
 from ragen_core.trainer.engine import compute_precision
 from ragen_core.trainer.models import resolve_device
+from ragen_core.trainer.update import grad_buckets
 from ragen_core.trainer.warmup import warmup_facts, warmup_model
 
 # RolloutBatch and Selection moved to ragen_core.types (hand-offs between parts); imported here, they stay
@@ -352,7 +353,16 @@ def tokenize_and_filter(sess: Session, rollouts: RolloutBatch) -> Selection:
     for r in rows:
         kept[r] = True
     think = [float(sum(t.think_tokens for t in trajs[r].turns)) for r in rows]
-    return Selection(result.batch, kept, result.metrics, think, result.advantage_scale)
+    metrics = dict(result.metrics)
+    if grad_buckets_due(sess):  # on every group, the dropped ones included, before the update moves the weights
+        metrics.update(grad_buckets(sess.state, full, sess.cfg))
+    return Selection(result.batch, kept, metrics, think, result.advantage_scale)
+
+
+def grad_buckets_due(sess: Session) -> bool:
+    """The gradient analysis by reward-std bucket runs on this iteration (``diagnostics.grad_buckets_every``)."""
+    every = sess.cfg.diagnostics.grad_buckets_every
+    return every > 0 and sess.iteration % every == 0
 
 
 def update_policy(sess: Session, selection: Selection) -> UpdateStats:

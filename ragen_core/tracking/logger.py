@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = ["NAMESPACES", "MetricLogger", "NullLogger", "check_metric_names", "check_table"]
 
 NAMESPACES: tuple[str, ...] = (
-    "env", "rollout", "actor", "critic", "response", "val", "timing", "perf", "health", "collapse",
+    "env", "rollout", "actor", "critic", "response", "val", "timing", "perf", "health", "collapse", "grad",
 )
 """The only allowed first path segments of a metric name."""
 

@@ -60,6 +60,7 @@ from ragen_core.algos import advantages as adv_fns
 from ragen_core.algos import losses
 from ragen_core.algos.masked import masked_mean, masked_var, masked_whiten
 from ragen_core.config import AlgorithmConfig, ExperimentConfig
+from ragen_core.trainer.engine import trainable_parameters
 from ragen_core.trainer.forward import (
     backbone_tokens,
     can_pack,
@@ -72,8 +73,8 @@ from ragen_core.trainer.models import PolicyModels, critic_values, reference_log
 from ragen_core.trainer.state import TrainState
 from ragen_core.types import TokenBatch, UpdateStats
 
-__all__ = ["ESTIMATORS", "compute_advantages", "micro_blocks", "micro_slices", "mini_batch_rows", "rank_micro_rows",
-           "update"]
+__all__ = ["ESTIMATORS", "GRAD_TERMS", "bucket_names", "compute_advantages", "grad_buckets", "group_buckets",
+           "micro_blocks", "micro_slices", "mini_batch_rows", "rank_micro_rows", "update"]
 
 Estimator = Callable[[TokenBatch, torch.Tensor, "torch.Tensor | None", AlgorithmConfig],
                      tuple[torch.Tensor, "torch.Tensor | None"]]
@@ -396,6 +397,98 @@ def update(
     return UpdateStats(metrics=metrics, optimizer_steps=steps)
 
 
+GRAD_TERMS = ("task", "entropy", "kl", "value")
+"""The loss terms :func:`grad_buckets` takes apart (:func:`_actor_loss`'s ``terms``)."""
+
+
+def bucket_names(edges: Sequence[float]) -> list[str]:
+    """The buckets of in-group reward std for ``edges`` (e1 < e2 < ...): zero, then le_<e1>, ..., gt_<e_last>."""
+    return ["zero", *(f"le_{e:g}" for e in edges), f"gt_{edges[-1]:g}" if edges else "gt_0"]
+
+
+def group_buckets(batch: TokenBatch, edges: Sequence[float]) -> dict[str, list[int]]:
+    """Bucket name -> the rows of the groups whose in-group std of the trajectory returns (``batch.returns``,
+    unbiased; a group of one row has std 0) falls in it, in batch order. A std within 1e-8 of 0 is zero."""
+    names = bucket_names(edges)
+    out: dict[str, list[int]] = {name: [] for name in names}
+    groups = batch.group_ids.tolist()
+    returns = batch.returns.double()
+    for g in dict.fromkeys(groups):
+        rows = [r for r, x in enumerate(groups) if x == g]
+        std = float(returns[rows].std()) if len(rows) > 1 else 0.0
+        if std <= 1e-8:
+            name = "zero"
+        else:
+            k = next((i for i, e in enumerate(edges) if std <= e), len(edges))
+            name = names[1 + k]
+        out[name].extend(rows)
+    return out
+
+
+def grad_buckets(state: TrainState, batch: TokenBatch, cfg: ExperimentConfig) -> dict[str, float]:
+    """RAGEN-2's gradient analysis on a rollout batch (before any filter): per reward-std bucket
+    (:func:`group_buckets`, ``diagnostics.grad_bucket_edges``), the norm of the gradient of each loss term
+    (task = the PPO policy loss, entropy, kl in the loss, value of a value head or a separate critic) over the
+    bucket's rows, as if they were the whole mini-batch, at the weights that sampled them. Nothing is stepped.
+
+    At most ``diagnostics.grad_bucket_rows`` rows per bucket, whole groups in batch order: one forward and one
+    backward per term each (about the cost of updating on those rows once per term). The advantages are
+    computed over the whole batch, as an unfiltered update would. Metrics: ``grad/<bucket>/<term>`` (the norm,
+    over the actor's trained parameters and a value head's; a separate critic's over its own), and
+    ``grad/<bucket>/rows``; a term the configuration does not have is left out, an empty bucket logs rows 0.
+    """
+    started = time.perf_counter()
+    algo, d = cfg.algorithm, cfg.diagnostics
+    models, device = state.models, state.models.device
+    batch = _on(batch, torch.device("cpu"))
+    models.train()
+    old_values, ref_logprobs = _rollout_side(state, batch, cfg, algo.uses_reference)
+    advantages, returns = compute_advantages(batch, _token_rewards(batch, ref_logprobs, algo), old_values, algo)
+    actor_params = trainable_parameters(models.actor, models.value_head)
+    out: dict[str, float] = {}
+    for name, rows in group_buckets(batch, d.grad_bucket_edges).items():
+        taken: list[int] = []
+        for g in dict.fromkeys(batch.group_ids[rows].tolist()):
+            members = [r for r in rows if int(batch.group_ids[r]) == g]
+            if taken and len(taken) + len(members) > d.grad_bucket_rows:
+                break
+            taken.extend(members[: d.grad_bucket_rows])
+        out[f"grad/{name}/rows"] = float(len(taken))
+        if not taken:
+            continue
+        index = torch.tensor(taken)
+        micro = _on(batch.select(index), device)
+        w = micro.input_ids.shape[1]
+        norm = losses.aggregation_normaliser(micro.loss_mask, algo.loss_agg)
+        head_targets = None
+        if returns is not None and old_values is not None and models.value_head is not None:
+            head_targets = (_take(old_values, index, w).to(device), _take(returns, index, w).to(device), norm)
+        terms: dict[str, torch.Tensor] = {}
+        state.actor_engine.forward(
+            _actor_loss, models, micro, _take(advantages, index, w).to(device),
+            None if ref_logprobs is None else _take(ref_logprobs, index, w).to(device), cfg, norm, _Meter(),
+            head_targets, terms=terms)
+        present = [t for t in GRAD_TERMS if t in terms and terms[t].requires_grad]
+        for i, term in enumerate(present):
+            grads = torch.autograd.grad(terms[term], actor_params, retain_graph=i < len(present) - 1,
+                                        allow_unused=True)
+            out[f"grad/{name}/{term}"] = _norm(grads)
+        if (returns is not None and old_values is not None and models.critic is not None
+                and state.critic_engine is not None):
+            v_loss, _ = state.critic_engine.forward(_critic_loss, models.critic, micro,
+                                                    _take(old_values, index, w).to(device),
+                                                    _take(returns, index, w).to(device), algo, norm)
+            out[f"grad/{name}/value"] = _norm(torch.autograd.grad(v_loss, trainable_parameters(models.critic),
+                                                                  allow_unused=True))
+    out["timing/grad_buckets_s"] = time.perf_counter() - started
+    return out
+
+
+def _norm(grads: Sequence[torch.Tensor | None]) -> float:
+    """The L2 norm of a list of gradients (None: a parameter the term does not reach)."""
+    return float(torch.sqrt(sum((g.float().pow(2).sum() for g in grads if g is not None), torch.zeros(()))))
+
+
 def _mini_batch_step(
     state: TrainState,
     batch: TokenBatch,
@@ -475,12 +568,14 @@ def _actor_loss(
     head_targets: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     tis: torch.Tensor | None = None,
     gap: _Gap | None = None,
+    terms: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]] | None]:
     """Policy loss − entropy_coef·entropy (+ kl_coef·KL) of one micro-batch, as its share of the mini-batch.
 
     head_targets: (old values, returns, normaliser) to add value_coef × the value head's loss on the
     actor's hidden states. Returns (loss with grad, policy loss detached, (value loss detached, its
-    stats) or None).
+    stats) or None). ``terms``, when given, receives the loss's terms as they enter the sum (with grad):
+    task, entropy (−entropy_coef·entropy), kl and value where present; they add up to the loss.
     """
     algo, mask = cfg.algorithm, micro.loss_mask
     out = policy_forward(models.actor, micro.input_ids, micro.attention_mask, cfg.rollout.temperature,
@@ -491,7 +586,10 @@ def _actor_loss(
     if gap is not None:
         gap.add(out.logprobs, micro.old_logprobs, mask)
     aggregate = losses.AGGREGATIONS[algo.loss_agg]
-    loss = pg_loss - algo.entropy_coef * aggregate(out.entropy, mask, normaliser)
+    entropy_term = -algo.entropy_coef * aggregate(out.entropy, mask, normaliser)
+    loss = pg_loss + entropy_term
+    if terms is not None:
+        terms.update(task=pg_loss, entropy=entropy_term)
     n_tok = float(mask.sum())
     meter.add("actor/", {**pg_stats, "entropy": losses.token_mean(out.entropy.detach(), mask)}, n_tok)
     if algo.uses_reference and not algo.kl_in_reward:
@@ -499,7 +597,10 @@ def _actor_loss(
         # log-probs stand in, detached: the term's value is then 0 but its gradient, kl_coef·∇log π, is the same.
         ref = ref_logprobs if ref_logprobs is not None else out.logprobs.detach()
         kl = losses.kl_penalty(out.logprobs, ref, algo.kl_estimator)  # [b, w]
-        loss = loss + algo.kl_coef * aggregate(kl, mask, normaliser)
+        kl_term = algo.kl_coef * aggregate(kl, mask, normaliser)
+        loss = loss + kl_term
+        if terms is not None:
+            terms["kl"] = kl_term
         if ref_logprobs is not None:
             meter.add("actor/", {"kl_ref": losses.token_mean(kl.detach(), mask)}, n_tok)
     if head_targets is None:
@@ -507,6 +608,8 @@ def _actor_loss(
     old_values, returns, value_norm = head_targets
     v_loss, v_stats = _value_loss(critic_values(models, micro.input_ids, micro.attention_mask, out.hidden),
                                   old_values, returns, mask, algo, value_norm)
+    if terms is not None:
+        terms["value"] = algo.value_coef * v_loss
     return loss + algo.value_coef * v_loss, pg_loss.detach(), (v_loss.detach(), v_stats)
 
 

@@ -139,3 +139,26 @@ def test_the_one_loop_runs_the_given_steps_in_order_and_a_hook_may_end_it_at_an_
     run_to_end(sess, steps, stop)  # the first evaluation ends the run and is recorded as its last
     assert [c for c in calls if not c.startswith("final evaluation")] == ["evaluate0"]
     assert sess.history == [{"iteration": 0, "val/success": 0.5}]
+
+
+def test_the_gradient_analysis_runs_every_k_iterations_on_the_unfiltered_batch(tmp_path, monkeypatch) -> None:
+    # diagnostics.grad_buckets_every: grad/<bucket>/<term> on iterations 0 and 2, over every group, the ones the
+    # StarPO-S filter drops included: the rows of the buckets add up to the whole batch when each fits the cap
+    from pathlib import Path
+
+    from ragen_core.config import load_experiment
+    from ragen_core.session import open_session, run_iteration
+    from ragen_core.tracking import NullLogger
+
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path))
+    smoke = Path(__file__).resolve().parents[2] / "experiments" / "smoke.yaml"
+    cfg = load_experiment(smoke, ["diagnostics.grad_buckets_every=2", "diagnostics.grad_bucket_rows=64",
+                                  "trainer.iterations=3", "eval.every=0", "diagnostics.collapse_every=0"])
+    sess = open_session(cfg, NullLogger(), say=lambda line: None)
+    rows = [run_iteration(sess) for _ in range(3)]
+    assert ["grad/zero/rows" in r for r in rows] == [True, False, True]
+    total = cfg.rollout.prompts_per_iter * cfg.rollout.responses_per_prompt
+    for r in (rows[0], rows[2]):
+        assert sum(r[f"grad/{b}/rows"] for b in ("zero", "le_0.2", "gt_0.2")) == total
+        assert r["timing/grad_buckets_s"] > 0
+        assert all(r[k] >= 0 for k in r if k.startswith("grad/") and not k.endswith("/rows"))
