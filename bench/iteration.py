@@ -150,6 +150,9 @@ def main() -> None:
             for key, a, b in (("evaluate", t0, t1), ("rollout", t1, t2), ("diagnostics", t2, t3), ("filter", t3, t4),
                               ("update", t4, t5), ("record", t5, t6)):
                 seconds[key] += b - a
+            analysis = selection.metrics.get("timing/grad_buckets_s", 0.0)  # the gradient analysis, out of filter's
+            seconds["grad_buckets"] += analysis
+            seconds["filter"] -= analysis
             for key in ("prepass", "recompute"):  # the update's no-grad passes, out of its seconds
                 part = stats.metrics.get(f"timing/update_{key}_s", 0.0)
                 seconds[f"update_{key}"] += part
