@@ -622,8 +622,8 @@ def _feed(
 def _cache_to(cache: DynamicCache, dtype: torch.dtype) -> None:
     """Keys and values of ``dtype`` in every layer of a cache a prefill under autocast filled (its value
     projections came out in the autocast dtype; the kept caches, the decode step and its kernel hold ``dtype``)."""
-    for layer in cache.layers:
-        if isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None:
+    for layer in cache.layers:  # a growing layer's buffers already have the kept caches' dtype (kv.stacked_cache)
+        if type(layer) is DynamicLayer and layer.keys is not None and layer.values is not None:
             if layer.keys.dtype != dtype or layer.values.dtype != dtype:
                 layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
                 layer.dtype = dtype
