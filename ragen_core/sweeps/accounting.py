@@ -27,7 +27,7 @@ the ``lead`` steps up to the episode's start), ``late`` (it fired during the epi
 episode ``false alarm`` (it fired inside it, and not within ``lead`` steps before a failure episode) or ``quiet``.
 
 Pure Python over plain data, like the rest of ``sweeps``; tested on hand-made curves
-(``tests/unit/sweeps/test_accounting.py``).
+(``tests/unit/test_study_accounting.py``).
 """
 
 from __future__ import annotations
