@@ -30,6 +30,20 @@ def moved(*overrides: str) -> tuple[float, torch.dtype]:
     return delta, params[0].dtype
 
 
+def first_step_grads(state, cfg) -> list[torch.Tensor]:
+    """The actor's gradients at the first optimizer step of one update on ``make_batch()`` (the step then runs)."""
+    seen: list[list[torch.Tensor]] = []
+    original = state.actor_engine.step
+
+    def step() -> float:
+        seen.append([p.grad.clone() for p in state.actor_engine.params])
+        return original()
+
+    state.actor_engine.step = step
+    update(state, make_batch(), cfg)
+    return seen[0]
+
+
 def test_bf16_mixed_precision_moves_the_weights_as_fp32_does_at_lr_1e6() -> None:
     fp32, fp32_dtype = moved()
     bf16, bf16_dtype = moved("model.dtype=bfloat16", "trainer.precision=bf16")
@@ -105,15 +119,7 @@ def test_bf16_lora_skips_the_input_casts_and_computes_the_same() -> None:
         if not keep:
             for m in layers:
                 m.cast_input_dtype_enabled = True
-        seen: list[list[torch.Tensor]] = []
-
-        def step(engine=state.actor_engine, original=state.actor_engine.step, seen=seen) -> float:
-            seen.append([p.grad.clone() for p in engine.params])
-            return original()
-
-        state.actor_engine.step = step
-        update(state, make_batch(), cfg)
-        grads[keep] = seen[0]
+        grads[keep] = first_step_grads(state, cfg)
     for a, b in zip(grads[True], grads[False], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     fp32 = init_state(make_cfg("starpo-s", "trainer.precision=fp32", "model.lora_rank=4"))
@@ -139,15 +145,7 @@ def test_bf16_forwards_reuse_copies_of_the_frozen_weights_and_compute_the_same(l
         assert not any(id(layer.weight) in embeddings for layer in frozen.layers)
         if not cached:
             state.actor_engine.frozen = None
-        seen: list[list[torch.Tensor]] = []
-
-        def step(engine=state.actor_engine, original=state.actor_engine.step, seen=seen) -> float:
-            seen.append([p.grad.clone() for p in engine.params])
-            return original()
-
-        state.actor_engine.step = step
-        update(state, make_batch(), cfg)
-        grads[cached] = seen[0]
+        grads[cached] = first_step_grads(state, cfg)
         if cached:
             assert {layer.weight.dtype for layer in frozen.layers} == {torch.float32}
             copies = {k: v[1] for k, v in frozen._copies.items()}
