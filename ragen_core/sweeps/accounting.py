@@ -155,7 +155,7 @@ def episodes(run: RunHistory, drop: float = 0.15, eruption: float = 1.5, baselin
         else:
             start = last
             for step, value in reversed(points):
-                if value < best - drop - 1e-12:
+                if value <= best - drop + 1e-12:  # the same threshold as a collapse and a dip
                     break
                 start = step
             level = statistics.fmean(v for s, v in points if s >= start)
