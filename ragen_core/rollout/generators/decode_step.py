@@ -1,31 +1,41 @@
-"""One decode step of a Llama-family model without transformers' per-step machinery (issue 21).
+"""One decode step of a Llama-family model without ``model.forward``: the hf generator's default decode path.
 
-A decode step feeds one token per row, so its weight matmuls have as many rows as the batch: small
-matmuls, which MKL (behind ``F.linear``) runs at about half of this CPU's large-matmul rate. Going
-through ``model.forward`` adds little on top at 64 rows (measured: the fused step below without packing,
-278 ms a step, against 262 through ``model.forward``). :class:`LlamaDecodeStep` runs the same arithmetic
-on the same weights directly, so that the matmuls can run on packed weights:
+``HFGenerator`` (hf.py) prefills through ``model.forward`` and then runs every decode step through
+:class:`LlamaDecodeStep`, where ``RolloutConfig.fast_decode`` is on (the default) and :func:`decode_step_for`
+covers the model: Llama- or Qwen2-shaped, SiLU MLP without biases, no sliding window, weights not partitioned by
+ZeRO-3. For any other model, or with ``fast_decode`` off, decode steps go through ``model.forward``.
+
+Why: a decode step feeds one token per row, so its weight matmuls have as many rows as the batch: small
+matmuls, which MKL (behind ``F.linear``) runs at about half its large-matmul rate. ``model.forward``'s own
+per-step machinery costs little at 64 rows (this step on unpacked weights is no faster), so the gain is in
+running the same arithmetic on the same weights directly, with the matmuls on packed weights:
 
 - q, k and v come from one matmul (the three projections' weights concatenated), gate and up from one;
+- on a CPU with oneDNN and fp32 weights, every weight matmul runs on weights packed once into oneDNN's blocked layout
+  (``mkldnn._reorder_linear_weight``, as inductor's CPU freezing does): with SmolLM2's shapes 205 GFLOP/s at
+  64 rows against 113 through ``F.linear``, and 2.8-3.3x faster at 8-17 rows. Elsewhere ``F.linear``;
+- ``compute_dtype`` bf16 over fp32 weights (the trainer's resolved ``trainer.precision``, engine_settings.py)
+  runs the weight matmuls on bf16 copies of the weights (packed for oneDNN's bf16 kernels where the CPU has
+  them), the activations cast to bf16 on the way in and back to fp32 after, as ``torch.autocast`` would; the
+  residual stream, the norms, the rotary embedding, attention and the cache stay fp32;
 - rotary embeddings come from the model's own rotary module (so any rope scaling it has is kept);
-- keys and values are appended in place into the preallocated cache of ``kv.growing_cache`` (the same
-  cache the prefill filled, so cross-turn reuse and row selection work unchanged);
-- attention is ``scaled_dot_product_attention`` with the row mask, the query heads that share a key/value head
-  stacked as its query rows (no grouped-query expansion of the cache);
-- only the last position exists, so the output layer makes [B, V] logits;
-- on a CPU with oneDNN (fp32), every weight matmul runs on weights packed once into oneDNN's blocked layout
-  (``mkldnn._reorder_linear_weight``, as inductor's CPU freezing does): measured on this 2-core machine
-  with SmolLM2's shapes, 205 GFLOP/s at 64 rows against 113 through ``F.linear`` (MKL), and 2.8-3.3x
-  faster at 8-17 rows. Decode is all small-batch matmuls, so this is most of the gain.
+- keys and values are appended in place into the preallocated cache of ``kv.growing_cache`` (the cache the
+  prefill filled, with room for the replies), so cross-turn reuse and dropping finished rows work unchanged;
+- attention stacks the query heads that share a key/value head as its query rows (no grouped-query expansion
+  of the cache) and runs, on CPU in fp32, as the fused kernel of cpu_attention.py; without that kernel (CUDA,
+  no compiler, a head size it is not built for) as ``scaled_dot_product_attention`` with the row mask;
+- cascade attention, where a batch's rows come in prompt groups on CPU (the N responses of a prompt on their
+  first turn, :func:`cascade_pays`): the prompt's keys and values are kept once per group (:class:`SharedPrefix`)
+  and each row attends to its group's columns and then its own in one call of the fused kernel (without it,
+  :meth:`LlamaDecodeStep._cascade` merges two attention calls by their log-sum-exps);
+- only the last position exists, so the output layer makes [B, V] logits; the final-norm hidden state is kept
+  (``last_hidden``) for a value head.
 
 Fused weights are built at the first step and rebuilt after ``invalidate``, which the generator calls
 when the weights changed (``update_weights``, or the parameters' version counters moved: an optimizer
-step or ``load_state_dict`` moves them). They
-follow a peft LoRA wrapper: the active adapters are merged into the fused copies
-(``merged_state_dict``), the model is left as it is. :func:`decode_step_for` returns None for a model
-this step does not cover (not Llama- or Qwen2-shaped, MLP biases, a sliding window, another activation,
-ZeRO-3 partitioned weights),
-and the generator then uses ``model.forward``. Results equal ``model.forward`` up to float rounding
+step or ``load_state_dict`` moves them); the packed output layer is reused while its weight is unchanged.
+Under a peft LoRA wrapper the active adapters are merged into the fused copies (``merged_state_dict``); the
+model is left as it is. Results equal ``model.forward`` up to float rounding
 (the tests check the logits and the sampled log-probs against it and against a full re-prefill).
 
 Run the tests: ``python -m pytest tests/unit/rollout/test_decode_step.py -q``.
@@ -161,8 +171,8 @@ class LlamaDecodeStep:
     ``compute_dtype`` bf16 over fp32 weights runs the weight matmuls as ``torch.autocast`` would: on bf16
     copies of the weights (packed for oneDNN's bf16 kernels on a CPU that has them), the activations cast to
     bf16 on the way in and the results back to fp32, so the residual stream, the norms, the rotary embedding,
-    attention and the cache stay fp32. Measured with SmolLM2's shapes on an AMD EPYC with AVX512-BF16 at 64 rows:
-    the layers' and output layer's matmuls 20 ms a step against 36 in fp32."""
+    attention and the cache stay fp32. On a CPU with AVX512-BF16, at SmolLM2's shapes and 64 rows, the layers' and
+    the output layer's matmuls take 20 ms a step against 36 in fp32."""
 
     def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> None:
         self.model = model

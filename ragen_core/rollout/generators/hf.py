@@ -1,11 +1,30 @@
-"""The ``hf`` generation backend: batched, left-padded, KV-cached sampling with a transformers model.
+"""The ``hf`` generation backend (the default): batched, left-padded, KV-cached sampling with a transformers model.
 
-Our own decode loop over ``model.forward`` (not ``model.generate``) so that we control exactly what
-RL needs: the log-probability of every sampled id under ``log_softmax(logits / T)`` (base.py),
-stopping per row at the end-of-turn token, per-row random streams (a row's samples do not depend on
-its batch neighbours), and the KV cache.
+Our own sampling loop (not ``model.generate``) so that we control exactly what RL needs: the log-probability
+of every sampled id under ``log_softmax(logits / T)`` (base.py), stopping per row at the end-of-turn token,
+per-row random streams (a row's samples do not depend on its batch neighbours), the KV cache, and a value
+head's value of each sampled id's state (``value_head``).
 
-Cross-turn cache reuse (issue 4): with ``session_ids`` each episode keeps the keys/values of the
+A call prefills, then decodes:
+
+- the prefill runs ``model.forward`` over each row's new prompt tokens, on top of its reused cache (on CPU with
+  attention.py's grouped-query SDPA). Rows with the same prompt and nothing reused (the N responses of a prompt
+  on their first turn) are prefilled once; rows go in groups of at most ``prefill_chunk_tokens`` padded tokens.
+  The keys and values land in preallocated buffers with room for the replies (kv.py), which decoding fills in
+  place;
+- each decode step feeds one token per unfinished row through ``decode_step.LlamaDecodeStep`` where
+  ``fast_decode`` is on (the default) and the model is covered (Llama, Qwen2): fused weight matmuls on
+  oneDNN-packed weights, the fused CPU attention kernel of cpu_attention.py, and cascade attention over a prompt
+  group's shared prompt (decode_step.py says when each applies). Otherwise the step is ``model.forward``.
+  Finished rows leave the batch once the unfinished ones are fewer than ``shrink_below`` of it.
+
+``compute_dtype`` bf16 over fp32 weights (the trainer's resolved ``trainer.precision``: bf16, or ``auto`` on a
+CPU with bf16 matmul instructions) samples as the trainer's bf16 autocast computes: prefills run under
+``torch.autocast`` and the cache they fill is converted back to the weights' dtype; the decode step runs its
+weight matmuls in bf16 (``model.forward`` steps run under autocast); the cache, the decode step's attention and
+the sampled log-probabilities stay fp32.
+
+Cross-turn cache reuse: with ``session_ids`` each episode keeps the keys/values of the
 tokens it has seen (previous prompt + generated ids, minus the last sampled id, which was never fed
 back). On its next turn only the new suffix of the prompt (the end-of-turn token and the new user
 text) is prefilled, on top of the kept cache. The kept tokens must be a prefix of the new prompt;
@@ -15,7 +34,7 @@ system prompt still matches), down to a full prefill. Positions come from the at
 result equals a full re-prefill up to float rounding (tests check 1e-4 on log-probabilities).
 Caches are dropped when the model's weights change (tracked with the parameters' version counters,
 so an in-place optimizer step on a shared model is noticed too), on ``end_sessions``, and oldest
-first when they exceed ``max_cached_bytes``.
+first when they exceed ``max_cached_bytes``; a call with ``SamplingParams.last_turn`` keeps none.
 
 Run: ``python -m pytest tests/unit/rollout/test_generators.py -q``; speed: ``python bench/rollout.py``.
 """
@@ -365,8 +384,8 @@ class HFGenerator:
             logits[index] = g_logits
             if values is not None:
                 values[index] = cast(torch.Tensor, self._values())
-        # measured on the 5-turn FrozenLake rollout (4 prefill groups a turn): copying the assembled caches into
-        # buffers with room afterwards took 1.1 s of a 7.2-9.4 s prefill
+        # the groups were written straight into buffers with room: copying the assembled caches into such buffers
+        # afterwards would add ~1.1 s to a 7.2-9.4 s prefill of the 5-turn FrozenLake rollout (4 groups a turn)
         layers = [(k[:, :, :width], v[:, :, :width]) for k, v in buffers]
         return layers, mask, logits, adopted_cache(buffers, width), values
 
