@@ -401,7 +401,7 @@ def demo(
 # "Finished in state Completed()" lines would drown the one summary line per iteration on the terminal.
 # Only the console handler is quietened: the run logger's INFO lines still reach the API (the UI's Logs tab);
 # PREFECT_LOGGING_LEVEL=WARNING would drop them before any handler. Prefect's ephemeral server gets 20 s to
-# start by default, too little on a loaded 2-core machine.
+# start by default, too little on a few cores that other runs keep busy.
 QUIET_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
                   # log_table appends by downloading the run's table first: no progress bar for that each iteration

@@ -1,4 +1,4 @@
-"""The processes of a multi-process training run: who starts them, how they meet, how they end (issue 18).
+"""The processes of a multi-process training run: who starts them, how they meet, how they end.
 
     ragen train experiments/smoke.yaml --set trainer.backend=deepspeed --nproc 2
     torchrun --nproc_per_node 2 -m flows.cli train experiments/smoke.yaml --set trainer.backend=deepspeed

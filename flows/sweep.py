@@ -86,9 +86,10 @@ Bandit study's vanilla) peaks near 3 GiB resident."""
 def study_workers(plan: SweepPlan) -> int:
     """Runs at a time for ``ragen study`` without ``--workers``: two on a machine that offers no GPU, has two cores
     or more and memory for two runs (:data:`STUDY_RUN_BYTES` each), each worker on half the cores
-    (:func:`worker_threads`); else one. Measured on 2 cores, vanilla StarPO on studies/echo-trap-bandit.yaml: two
-    runs of one thread each made an iteration each every 21.6 s, one run of two threads one every 16.9 s (1.56x
-    the throughput): small matmuls and the decode loop's Python leave one process short of both cores."""
+    (:func:`worker_threads`); else one. Two runs of one thread each make more iterations than one run of two
+    threads (vanilla StarPO on studies/echo-trap-bandit.yaml on two cores: an iteration each every 21.6 s against
+    one every 16.9 s, 1.56x the throughput): small matmuls and the decode loop's Python leave one process short of
+    both cores."""
     import psutil  # lazily: only this decision needs it
 
     if plan.sweep.dispatch != "local" or gpus.offered() or (os.cpu_count() or 1) < 2:

@@ -1,4 +1,4 @@
-"""Which process of a multi-process run this is, and the few collectives a run needs (issue 18).
+"""Which process of a multi-process run this is, and the few collectives a run needs.
 
     from ragen_core import distributed
     part = distributed.share(n_groups)             # this rank's contiguous block of range(n_groups)

@@ -259,7 +259,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     total = e.sum(dim=-1)  # [B, T]
     # e·l as a product then a sum, not einsum("...v,...v->..."): on a CPU that becomes a batched [1, V] x [V, 1]
     # matmul, and with its backward (two more) it took 276 ms for 8 x 48 positions of a 49k vocabulary against
-    # 158 ms this way, exp included (2 cores, fp32). The product is a transient [B, T, V], freed after the sum.
+    # 158 ms this way, exp included (fp32). The product is a transient [B, T, V], freed after the sum.
     dot = (e * logits).sum(dim=-1)  # [B, T]
     return top.squeeze(-1) + total.log() - dot / total
 

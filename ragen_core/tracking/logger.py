@@ -9,8 +9,8 @@ and in tests (nanochat's ``DummyWandb`` idea), recording what it was given in me
     log.log_metrics({"env/success": 0.5}, step=1)
     log.history("env/success")          # [(1, 0.5)]
 
-Metric names must live under one of :data:`NAMESPACES` (SPEC §6 diagnostics, grouped
-as in the issue); a typo such as ``actr/loss`` raises ``ValueError`` at the first call,
+Metric names must live under one of :data:`NAMESPACES` (the diagnostics of SPEC §6,
+grouped by what they measure); a typo such as ``actr/loss`` raises ``ValueError`` at the first call,
 not after a long run when somebody looks for the curve.
 """
 

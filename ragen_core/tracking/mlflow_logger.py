@@ -6,7 +6,7 @@
     log.log_metrics({"env/success": 0.4, "actor/grad_norm": 0.8}, step=1)
     log.close()                       # FINISHED; resume later with MLflowLogger(..., run_id=log.run_id)
 
-Why an outbox: the issue asks that training never crashes and never loses a metric
+Why an outbox: training must never crash and never lose a metric
 when the tracking server is unreachable or dies mid-run. Each call first appends to
 ``<outbox_dir>/tracking-outbox.jsonl`` (see :mod:`.outbox`), then tries to send every
 pending entry in as few ``MlflowClient.log_batch`` calls as MLflow's limits allow
@@ -20,7 +20,7 @@ start) is created when the server is reachable; ``run_id`` is None until then.
 Always the explicit ``run_id`` with ``MlflowClient``, never the fluent active run: it is
 per-thread, and Prefect runs tasks in threads (STYLE.md rule 7).
 
-How runs look in MLflow 3.17's UI (issue 19):
+How runs look in MLflow 3.17's UI:
 
 - every experiment the logger creates or opens gets the tag ``mlflow.experimentKind`` =
   ``custom_model_development`` ("Machine learning"): MLflow 3.x's marker for an experiment of training runs,

@@ -198,8 +198,8 @@ def _continue(decoder: torch.nn.Module, cache: DynamicCache, last: torch.Tensor,
     State 0 is the prompt's last (shared); states 1..L-1 come from running z[:, :-1] on a copy of the
     prompt's cache repeated b times (right padding: real tokens never attend to the pads after them), or, when
     :func:`~ragen_core.trainer.forward.pack_pays` (short, uneven reasonings), packed into one row on the one-row
-    cache (``forward.packed_tail``): measured on the demo's first turns, 28 reasonings of 11.4 tokens on average
-    ran as 28 × 26 padded positions per prompt.
+    cache (``forward.packed_tail``): on the demo's first turns, 28 reasonings of 11.4 tokens on average
+    would run as 28 × 26 padded positions per prompt.
     """
     b, width = z.shape
     first = last.expand(b, -1, -1)  # [b, 1, H]

@@ -68,8 +68,8 @@ class Engine(Protocol):
 def adamw(param_groups: list[dict[str, Any]], betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
     """AdamW with the fused kernel: one pass over all parameters, no temporaries of the parameters' size.
 
-    On this 2-core CPU with SmolLM2-135M a step takes 0.07 s against 0.33 s for the default ``foreach``
-    one, which also allocates about 0.5 GB of temporaries (measured; a demo iteration takes 4 steps)."""
+    On CPU with SmolLM2-135M a step takes about a fifth of the time of the default ``foreach`` one, which
+    also allocates about 0.5 GB of temporaries (a demo iteration takes 4 steps)."""
     return torch.optim.AdamW(param_groups, betas=betas, weight_decay=weight_decay, fused=True)
 
 
@@ -164,9 +164,8 @@ class FrozenCasts:
     kept between forwards and put in their layers' place for each forward under autocast.
 
     Autocast keeps the casts it makes only of weights that require grad: every forward otherwise casts each frozen
-    weight again (measured on the vanilla Bandit update on an AMD EPYC with AVX512-BF16: about 0.65 s of an 8.3 s
-    update in those copies). The copies hold the values autocast would compute with, so the results are the same
-    bit for bit.
+    weight again (on a CPU with AVX512-BF16, those copies take about 8% of the vanilla Bandit update). The copies
+    hold the values autocast would compute with, so the results are the same bit for bit.
     A copy is remade when its weight's address or version counter moved (a load_state_dict). The layers hold
     the copies (as frozen Parameters) only inside :meth:`swapped`; a backward after it uses the copies its
     forward saved. Weights tied to an embedding are left alone: their lookup must stay fp32.
@@ -216,12 +215,13 @@ def compute_precision(cfg: ExperimentConfig) -> str:
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """CPU flags (Linux /proc/cpuinfo) of bf16 dot-product instructions, which oneDNN's bf16 matmuls run on. Without
-them bf16 matmuls are emulated and slower than fp32; with AVX512-BF16 (measured on an AMD EPYC with SmolLM2's
-shapes) they run at about 4x the fp32 rate."""
+them bf16 matmuls are emulated and slower than fp32; with AVX512-BF16 they run at about 4x the fp32 rate at
+SmolLM2's shapes."""
 
 
 def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has bf16 dot-product instructions (:data:`NATIVE_BF16_FLAGS`); False where unknown."""
+    """Whether the CPU this process runs on has bf16 dot-product instructions (:data:`NATIVE_BF16_FLAGS`); False
+    where unknown."""
     try:
         with open(cpuinfo) as f:
             for line in f:

@@ -311,7 +311,7 @@ def chunked_logprobs(
     update); only larger ones are chunked and recomputed.
     ``scored`` ([B, T] bool, e.g. the loss mask): only these positions are scored, every other one holds 0
     (``start`` is then not used). The output layer runs on exactly those positions, gathered into one row:
-    no padding after short replies and no env text between turns (measured on the demo's update: 384 and
+    no padding after short replies and no env text between turns (in the demo's update: 384 and
     360 scored positions per micro-batch, 216 and 200 of them replies). The values are those of the
     positions' own rows, equal within float rounding.
     """

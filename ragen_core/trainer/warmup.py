@@ -1,4 +1,4 @@
-"""Format warm-up (issue 5, issue 12 item 5): a short fine-tune that teaches the reply format, not the task
+"""Format warm-up: a short fine-tune that teaches the reply format, not the task
 and not what to think.
 
     from ragen_core.trainer.warmup import warmup_model
@@ -27,8 +27,8 @@ a cut point. The warm-up plays first turns only (:data:`DIALOGUE_TURNS`), four r
 (:data:`_GROUP`), ``model.warmup_steps`` x 8 replies. In NoThink mode there are no thoughts: the replies are
 the model's own valid answers, else random ones.
 
-The old warm-up (one of 20 canned content-free thoughts with random actions) is gone: it made every
-thought the same few sentences, so reasoning started RL collapsed (first-turn Sokoban thoughts carried
+Canned content-free thoughts (one of 20, with random actions) are not used: they make every thought the
+same few sentences, so reasoning starts RL collapsed (first-turn Sokoban thoughts warmed up that way carried
 I(X;Z) = 0.006 nats of a possible 2.08, measured). ``RandomFormatGenerator`` remains for the
 random-policy level (:func:`random_policy_stats`), with an empty thought: it is never trained on.
 
@@ -122,7 +122,7 @@ DIALOGUE_TURNS = 1
 """Turns the warm-up plays per dialogue: first turns only. Later turns come out in the format without
 being trained on (their context shows the model's own formatted earlier replies): after a first-turn-only
 warm-up on Sokoban, validity by turn was 0.84 / 0.83 / 0.85 / 0.76 / 0.80 over 32 five-turn episodes
-(measured), while whole 5-turn dialogues cost ~4x to sample and ~3x per step to train (27 min on 2 cores)."""
+(measured), while whole 5-turn dialogues cost ~4x to sample and ~3x per step to train."""
 _SAMPLE_CHUNK = 64
 """Dialogues sampled together (one ``run_rollouts`` call): bounds the KV cache of a batch."""
 _CHECK_EPISODES = 32

@@ -1,31 +1,30 @@
-"""Decode attention on CPU as one fused kernel, built once on this machine (issue 21).
+"""Decode attention on CPU as one fused kernel, compiled at first use for the CPU it runs on.
 
 A decode step has one query token per row: the query heads that share a key/value head are that head's few
 query rows (3 for SmolLM2), and each (row, key/value head) reads its own keys and values once. That is
 memory-bound work of tiny matrix products, which torch's CPU flash kernel runs as small GEMMs with a block
-softmax: measured on this 2-core machine at 64 rows over 271 cached tokens, 55-58 ms of attention per decode
-step (30 layers) against 21-29 ms just to read the keys and values once. The kernel here does, per (row,
+softmax: at 64 rows over 271 cached tokens it takes about twice as long as just reading the keys and values
+once (55-58 ms of attention per 30-layer decode step, against 21-29 ms). The kernel here does, per (row,
 key/value head), in one pass over the cache and in registers: the query rows' dot products with each key, the
 softmax (ATen's vectorised ``exp``), and the probability-weighted sum of the values; it returns the
-log-sum-exp too. Measured the same way: 35-40 ms against 55-58. Where torch runs AVX512, a row's scores go 16
-keys at a time: their lane-wise partial dot products, then the 16 sums in one transposing reduction tree
-instead of 16 horizontal sums. Measured on one call: 0.80 against 0.92 ms at 64 rows over 271 columns,
-1.60 against 1.83 ms at 32 rows over 1000 (a later turn's own cache); long caches are then bound by reading
-the keys and values from memory (about 30 GB/s here).
+log-sum-exp too: 35-40 ms at the same shapes. Where torch runs AVX512, a row's scores go 16 keys at a time:
+their lane-wise partial dot products, then the 16 sums in one transposing reduction tree instead of 16
+horizontal sums (one call: 0.80 against 0.92 ms at 64 rows over 271 columns, 1.60 against 1.83 ms at 32 rows
+over 1000, a later turn's own cache); long caches are then bound by reading the keys and values from memory.
 
 Cascade attention (decode_step.SharedPrefix: the N responses of a prompt keep its keys and values once per
 group) runs in the same call: given the shared columns and each row's group, a row's scores cover its group's
 columns and then its own in one softmax, so nothing is stacked, gathered or merged in Python. The shared keys
 come transposed (made once per rollout): a block of 32 keys is scored per query element with no horizontal
-sums, which had made most of the time (the own columns, few, keep the row-wise loop). Measured at the demo's
+sums, which take most of the time of row-wise scoring (the own columns, few, keep the row-wise loop). At the demo's
 shapes (64 rows in 8 groups, a 184-token prompt, 25 own tokens): 0.29 ms a layer, against 0.49 ms with the
 row-wise scores and 0.73 ms for torch's flash kernel over each group's stacked query rows merged with this
 kernel's own part by log-sum-exps. A group's keys are read once per row, but from cache (94 KB a head).
 
 No library offers this for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
-paged layout, torch's flash kernel is the one measured above. The source below is compiled at first use by
+paged layout, torch's flash kernel is the one compared above. The source below is compiled at first use by
 ``torch.utils.cpp_extension.load_inline`` (``$CXX``, else ``c++``, and ninja: about 25 s, announced by one line
-on stderr that says what it builds and how it ended) for the vector instructions torch itself uses on this CPU
+on stderr that says what it builds and how it ended) for the vector instructions torch itself uses on the CPU
 (AVX512 or AVX2: torch's own flags for them, not ``-march=native``, so that a build directory shared by several
 machines never hands one a kernel with instructions it lacks). The build lives inside the Python environment
 that made it (:func:`build_root`), so two virtual environments never rebuild each other's kernel.
@@ -65,7 +64,7 @@ __all__ = ["Shared", "build_root", "compiler", "decode_attention", "kernel_avail
 log = logging.getLogger(__name__)
 
 LOCK_TIMEOUT_S = 600.0
-"""How long a process waits for another one's build of the same kernel (one takes about 25 s on two cores)
+"""How long a process waits for another one's build of the same kernel (a build takes about 25 s)
 before it decodes with torch's attention instead."""
 
 HEAD_SIZES = (32, 64, 128)
@@ -367,7 +366,7 @@ _ISA_FLAGS = {
 
 
 def _capability() -> str:
-    """torch's CPU capability here: the vector code torch itself runs (AVX512, AVX2, or DEFAULT and others)."""
+    """torch's CPU capability: the vector code torch itself runs on the host (AVX512, AVX2, DEFAULT, ...)."""
     return str(torch.backends.cpu.get_cpu_capability())
 
 

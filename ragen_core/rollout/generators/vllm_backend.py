@@ -19,7 +19,7 @@ is spawned; with a multi-process engine (the variable set to 1) the weights go t
 safetensors file (``weight_sync="disk"``; bench/rollout.py times both). Entry points that start a multi-process
 engine need an ``if __name__ == "__main__":`` guard (vLLM spawns processes).
 
-CPU defaults (set only when unset; measured on a 2-core machine): vLLM binds one core and reserves a
+CPU defaults (each set only when unset): vLLM binds one core and reserves a
 large KV cache by default, so ``VLLM_CPU_OMP_THREADS_BIND`` = all cores this process may use,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_CPU_KVCACHE_SPACE`` = ``kv_cache_gib`` (4) and
 ``OMP_NUM_THREADS`` = torch's thread count;
@@ -70,7 +70,7 @@ def cpu_env_defaults(kv_cache_gib: int = 4) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         # Unset, an in-process engine lowers torch's threads to 1 for the whole process, the trainer's
-        # update included: the demo's update took 27-50 s an iteration instead of 6.7 s (2 cores, loaded).
+        # update included, which then runs on one core (the demo's update took 4-7x as long).
         "OMP_NUM_THREADS": str(torch.get_num_threads()),
     }
 
