@@ -7,15 +7,14 @@
     trajs = read_trajectories(df[df.iteration == 3])      # back to Trajectory records
 
 Layout: ``$RAGEN_DATA_DIR/runs/<run>/rollouts/iteration=N/part-0.parquet`` (the paths come from
-store/run_dir.py, which owns a run folder's layout). Runs written before 2026-11-25 have
-``rollouts/iter=NNNN/`` (zero-padded, a key DuckDB read as text and named unlike the column); the readers
-here accept both, and rewriting an iteration of such a run moves it to the new name. One row per trajectory
+store/run_dir.py, which owns a run folder's layout): the partition is named as the column and unpadded, so
+DuckDB, pyarrow datasets and pandas read ``iteration`` as an integer. One row per trajectory
 with its turns nested (``list<struct>``: prompt and response ids as ``list<int32>``, sampling
 log-probs as ``list<float32>``, the dtype they were sampled in), token counts, and ``kept`` (did
 the StarPO-S filter keep the trajectory's group). ``turn_values`` (``list<list<float32>>``, one list per
-turn) holds the critic head's values recorded at sampling (``Turn.values``, empty lists when none); shards
-written before it existed read back with no values. ``schema_version`` is a column and is also in
-the file's schema metadata; a reader refuses shards from a newer version.
+turn) holds the critic head's values recorded at sampling (``Turn.values``, empty lists when none).
+``schema_version`` is a column and is also in the file's schema metadata; a reader refuses shards from a newer
+version.
 
 A shard is written to a hidden temp file (``.part-0.parquet.tmp-<pid>``) in the same directory,
 fsynced, then renamed over the final name (``os.replace`` is atomic on POSIX): a crash leaves
@@ -38,7 +37,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ragen_core.store.files import fsync_dir, pid_alive
-from ragen_core.store.run_dir import PARTITION_KEY, SHARD_FILE, legacy_shard_path, rollouts_dir, shard_path
+from ragen_core.store.run_dir import PARTITION_KEY, SHARD_FILE, rollouts_dir, shard_path
 from ragen_core.types import Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -160,9 +158,6 @@ def write_shard(run: str | os.PathLike[str], iteration: int, trajectories: Seque
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    legacy = legacy_shard_path(run, iteration)
-    if legacy.exists():  # the same iteration of an old-layout run, rewritten: one shard per iteration
-        shutil.rmtree(legacy.parent, ignore_errors=True)
     return final
 
 
@@ -192,15 +187,14 @@ def read_shard(path: str | os.PathLike[str]) -> pd.DataFrame:
     return table.to_pandas()
 
 
-_PARTITION = re.compile(rf"^(?:{PARTITION_KEY}|iter)=(\d+)$")
-"""A shard folder's name: ``iteration=N``, or the legacy ``iter=NNNN``."""
+_PARTITION = re.compile(rf"^{PARTITION_KEY}=(\d+)$")
+"""A shard folder's name: ``iteration=N``."""
 
 
 def read_run(run: str | os.PathLike[str]) -> pd.DataFrame:
     """All shards of a run as one DataFrame, with an ``iteration`` column, ordered by iteration.
 
-    Reads both partition layouts (module docstring). Empty (with the schema's columns) when the run has no
-    complete shard yet.
+    Empty (with the schema's columns) when the run has no complete shard yet.
     """
     root = rollouts_dir(run)
     shards = sorted((int(m.group(1)), folder / SHARD_FILE) for folder in (root.iterdir() if root.is_dir() else [])
@@ -212,7 +206,7 @@ def read_run(run: str | os.PathLike[str]) -> pd.DataFrame:
         table = pq.read_table(path)
         _check_version(table.schema, str(path))
         tables.append(table.append_column(PARTITION_KEY, pa.array([iteration] * table.num_rows, pa.int32())))
-    frame = pa.concat_tables(tables, promote_options="default").to_pandas()
+    frame = pa.concat_tables(tables).to_pandas()
     return frame.sort_values(PARTITION_KEY, kind="stable").reset_index(drop=True)
 
 
@@ -234,8 +228,7 @@ def read_trajectories(source: str | os.PathLike[str] | pd.DataFrame) -> list[Tra
 
 
 def _trajectory(row: Mapping[Hashable, Any]) -> Trajectory:
-    values = row.get("turn_values")  # None in shards written before the column existed
-    values = [()] * len(row["turns"]) if values is None else [tuple(float(x) for x in v) for v in values]
+    values = [tuple(float(x) for x in v) for v in row["turn_values"]]
     turns = tuple(
         Turn(
             observation=t["observation"],

@@ -14,8 +14,7 @@ Layout of ``$RAGEN_DATA_DIR/runs/<name>/``::
     config.yaml                          the resolved config (``ragen train --resume`` reads it back)
     history.jsonl                        one JSON row per iteration (and one per final evaluation)
     checkpoints/iter=NNNNNN/             the last few training checkpoints (trainer/checkpoint.py)
-    rollouts/iteration=N/part-0.parquet  one trajectory shard per iteration (store/parquet.py; runs written
-                                         before 2026-11-25 have rollouts/iter=NNNN/, which readers accept)
+    rollouts/iteration=N/part-0.parquet  one trajectory shard per iteration (store/parquet.py)
     final-model/                         the trained model (or adapter) at the end of a run
     curves.png                           the run's curves at the end of a run
 
@@ -48,7 +47,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["CONFIG_END", "CONFIG_FILE", "HISTORY_FILE", "PARTITION_KEY", "SHARD_FILE", "RunDir", "check_run_name",
-           "checkpoint_problem", "legacy_shard_path", "rollouts_dir", "runs_root", "shard_path"]
+           "checkpoint_problem", "rollouts_dir", "runs_root", "shard_path"]
 
 CONFIG_FILE = "config.yaml"
 CONFIG_END = "# ragen: end of config"
@@ -66,15 +65,17 @@ _LEFTOVER = re.compile(r"^\.(?P<kind>tmp|old)-(?P<name>iter=\d+)-(?P<pid>\d+)$")
 def checkpoint_problem(path: Path) -> str | None:
     """Why a checkpoint folder is not whole, or None. state.json is written last, into the temp folder,
     before the rename that publishes it: it must parse; every ``*.safetensors`` must end where its header
-    says; every ``*.pt`` must be a readable zip (torch's format) whose entries pass their CRC check; and the
-    sizes listed in state.json's ``files`` (checkpoints from 2026-11-25 on) must match."""
+    says; every ``*.pt`` must be a readable zip (torch's format) whose entries pass their CRC check; and every
+    file state.json's ``files`` lists must have the size it lists."""
     from ragen_core.models.cache import safetensors_problem  # lazily: models imports transformers only on use
 
     try:
         meta = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as e:
         return f"state.json unreadable ({e})"
-    for name, size in dict(meta.get("files", {})).items():
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        return "state.json lists no files"
+    for name, size in meta["files"].items():
         file = path / name
         if not file.is_file() or file.stat().st_size != size:
             return f"{name} is missing or has the wrong size"
@@ -91,15 +92,6 @@ def checkpoint_problem(path: Path) -> str | None:
         if broken is not None:
             return f"{file.name}: entry {broken} fails its CRC check"
     return None
-
-
-def _keys(data: dict[str, Any], prefix: str = "") -> set[str]:
-    """The dotted paths of every leaf of nested dicts."""
-    out: set[str] = set()
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        out |= _keys(value, path + ".") if isinstance(value, dict) and value else {path}
-    return out
 
 
 def runs_root() -> Path:
@@ -122,11 +114,6 @@ def shard_path(run: str | os.PathLike[str], iteration: int) -> Path:
     if iteration < 0:
         raise ValueError(f"iteration must be >= 0, got {iteration}")
     return rollouts_dir(run) / f"{PARTITION_KEY}={iteration}" / SHARD_FILE
-
-
-def legacy_shard_path(run: str | os.PathLike[str], iteration: int) -> Path:
-    """``<run>/rollouts/iter=NNNN/part-0.parquet``: where runs written before 2026-11-25 keep a shard."""
-    return rollouts_dir(run) / f"iter={iteration:04d}" / SHARD_FILE
 
 
 @dataclass(frozen=True)
@@ -219,26 +206,14 @@ class RunDir:
         """Why config.yaml cannot be trusted to be whole (None when it can).
 
         A cut YAML file often still parses, and its missing keys would silently take their defaults on resume.
-        Whole: it ends with :data:`CONFIG_END`; or, for a file written before that line existed (2026-11-25),
-        it has every key of the config saved in the newest checkpoint's state.json.
+        Whole: it ends with :data:`CONFIG_END`, which :meth:`write_config` writes last.
         """
         if not self.config_path.is_file():
             return f"{self.config_path} does not exist"
         text = self.config_path.read_text(encoding="utf-8", errors="replace")
         if text.rstrip("\n").endswith(CONFIG_END):
             return None
-        cut = f"{self.config_path} is cut short (it does not end with {CONFIG_END!r})"
-        ckpt = self.latest_checkpoint()
-        try:
-            saved = json.loads((ckpt / "state.json").read_text())["config"] if ckpt else None
-            written = yaml.safe_load(text)
-        except (OSError, ValueError, KeyError, yaml.YAMLError):
-            return cut
-        if not isinstance(saved, dict) or not isinstance(written, dict) or _keys(saved) - _keys(written):
-            return cut
-        log.warning("%s has no end marker (written before 2026-11-25); it has every key of %s", self.config_path,
-                    ckpt)
-        return None
+        return f"{self.config_path} is cut short (it does not end with {CONFIG_END!r})"
 
     def read_config(self) -> dict[str, Any]:
         """The saved config as plain YAML data ({} for an empty file); use ``load_experiment`` for a checked one."""

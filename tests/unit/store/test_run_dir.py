@@ -13,7 +13,7 @@ import pytest
 
 from ragen_core.config import ConfigError
 from ragen_core.store import parquet
-from ragen_core.store.run_dir import RunDir, check_run_name
+from ragen_core.store.run_dir import RunDir, check_run_name, checkpoint_problem
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def _checkpoint(run: RunDir, iteration: int) -> Path:
     """A hand-made checkpoint folder with one file in it (what the trainer writes is not needed here)."""
     path = run.checkpoint_path(iteration)
     path.mkdir(parents=True)
-    (path / "state.json").write_text(json.dumps({"iteration": iteration}))
+    (path / "state.json").write_text(json.dumps({"iteration": iteration, "files": {}}))
     return path
 
 
@@ -248,22 +248,6 @@ def test_config_is_written_whole_and_a_cut_one_is_refused(tmp_path: Path, monkey
         resume_config("r", [])
 
 
-def test_a_config_from_before_the_end_marker_is_checked_against_the_checkpoint(tmp_path: Path) -> None:
-    import json
-
-    import yaml
-
-    run = RunDir(tmp_path).create()
-    saved = {"name": "old", "trainer": {"iterations": 3, "actor_lr": 1e-5}}
-    run.config_path.write_text(yaml.safe_dump(saved))
-    ckpt = run.checkpoint_path(2)
-    ckpt.mkdir(parents=True)
-    (ckpt / "state.json").write_text(json.dumps({"config": saved}))
-    assert run.config_problem() is None  # legacy and whole
-    run.config_path.write_text(yaml.safe_dump({"name": "old", "trainer": {"iterations": 3}}))
-    assert "cut short" in (run.config_problem() or "")
-
-
 def _whole_checkpoint(path: Path, iteration: int) -> None:
     import json
 
@@ -273,7 +257,8 @@ def _whole_checkpoint(path: Path, iteration: int) -> None:
     path.mkdir(parents=True)
     save_file({"w": torch.full((64,), float(iteration))}, path / "actor.safetensors")
     torch.save({"step": iteration}, path / "optimizer.pt")
-    (path / "state.json").write_text(json.dumps({"iteration": iteration}))
+    # no sizes listed: the files' own checks (safetensors header, torch zip CRCs) must catch a cut one
+    (path / "state.json").write_text(json.dumps({"iteration": iteration, "files": {}}))
 
 
 def test_checkpoints_recover_from_a_kill_between_renames_and_fall_back_past_a_cut_one(tmp_path: Path) -> None:
@@ -294,6 +279,14 @@ def test_checkpoints_recover_from_a_kill_between_renames_and_fall_back_past_a_cu
     optimizer.write_bytes(optimizer.read_bytes()[:-40])
     assert run.latest_checkpoint() == run.checkpoint_path(1)
     assert run.checkpoint_path(3).exists()  # left for a person to look at
+
+
+def test_a_checkpoint_whose_state_lists_no_files_is_not_whole(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    path = _checkpoint(run, 1)
+    (path / "state.json").write_text(json.dumps({"iteration": 1}))
+    assert checkpoint_problem(path) == "state.json lists no files"
+    assert run.latest_checkpoint() is None
 
 
 def test_resume_supersedes_the_history_rows_it_redoes(tmp_path: Path) -> None:

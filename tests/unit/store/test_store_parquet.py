@@ -72,7 +72,7 @@ def test_round_trip_is_exact(tmp_path: Path, rollouts: tuple[list[Trajectory], R
 
 
 def test_schema_covers_every_turn_field_and_is_what_files_carry(tmp_path: Path) -> None:
-    # Turn.values is the turn_values column (a top-level column, so shards written before it still concatenate)
+    # Turn.values is the turn_values column, beside the turns struct rather than in it
     assert set(store.TURN_TYPE.names) | {"values"} == {f.name for f in dataclasses.fields(Turn)}
     schema = pq.read_schema(store.write_shard(tmp_path, 0, [_hand()]))
     assert schema.equals(store.SCHEMA, check_metadata=False)
@@ -186,37 +186,3 @@ def test_write_killed_midway_leaves_no_shard(tmp_path: Path) -> None:
     store.write_shard(tmp_path, 5, [_hand()])
     assert [p.name for p in folder.iterdir()] == ["part-0.parquet"]
     assert store.read_trajectories(tmp_path) == [_hand()]
-
-
-def test_runs_in_the_old_iter_layout_still_read_and_move_when_rewritten(tmp_path: Path) -> None:
-    """Runs written before the rename keep ``rollouts/iter=NNNN/``: read_run takes both; rewriting one of their
-    iterations leaves a single shard, in the new place."""
-    from ragen_core.store.run_dir import legacy_shard_path
-
-    for it in (0, 1):
-        store.write_shard(tmp_path, it, [_hand()], [True])
-        old = legacy_shard_path(tmp_path, it)
-        old.parent.mkdir(parents=True)
-        store.shard_path(tmp_path, it).rename(old)
-        store.shard_path(tmp_path, it).parent.rmdir()
-    store.write_shard(tmp_path, 2, [_hand(), _hand()], [True, False])  # a resumed old run goes on in the new one
-    frame = store.read_run(tmp_path)
-    assert frame["iteration"].tolist() == [0, 1, 2, 2]
-    store.write_shard(tmp_path, 1, [_hand(), _hand()], [False, False])
-    assert store.read_run(tmp_path)["iteration"].tolist() == [0, 1, 1, 2, 2]
-    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["iter=0000", "iteration=1", "iteration=2"]
-
-
-def test_shards_without_recorded_values_read_back_with_none(tmp_path: Path) -> None:
-    """A shard written before the turn_values column existed reads back with empty Turn.values, alone and next to a
-    newer shard (read_run), and the newer one keeps its values."""
-    old_table = store.to_table([_hand()]).drop_columns(["turn_values"])
-    path = store.shard_path(tmp_path, 0)
-    path.parent.mkdir(parents=True)
-    pq.write_table(old_table, path)
-    (old,) = store.read_trajectories(path)
-    assert [t.values for t in old.turns] == [(), ()]
-    store.write_shard(tmp_path, 1, [_hand()])
-    first, second = store.read_trajectories(tmp_path)
-    assert [t.values for t in first.turns] == [(), ()]
-    assert second == _hand() and second.turns[0].values == (0.5, -1.25, 3.0)
