@@ -528,7 +528,9 @@ RENAMED_KEYS: dict[str, str] = {
                              "algorithm.filter_largest=false; none -> none)",
     "algorithm.keep_ratio": "algorithm.filter_value (the fraction kept under filter_strategy top_k)",
 }
-"""Keys that were replaced: an old key gets an error naming its replacement (one way to say each thing)."""
+"""Keys a user is likely to write that this config says another way: the filter's parameter as docs/SPEC.md and
+``algos.filtering.uncertainty_filter`` name it (``keep_ratio``, ``mode`` std / std_rev, the paper's
+filter types). Each gets an error naming the key that sets it here, instead of a bare "unknown key"."""
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,6 @@ from ragen_core.trainer.engine import compute_precision
 from ragen_core.trainer.models import resolve_device
 from ragen_core.trainer.update import grad_buckets
 from ragen_core.trainer.warmup import warmup_facts, warmup_model
-
-# RolloutBatch and Selection moved to ragen_core.types (hand-offs between parts); imported here, they stay
-# importable as ragen_core.session.RolloutBatch / .Selection for older callers (tasks/train_steps.py).
 from ragen_core.types import RolloutBatch, Selection, Trajectory, UpdateStats
 
 if TYPE_CHECKING:  # transformers only for the annotation: ragen_core.models loads it when a model is loaded

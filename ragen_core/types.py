@@ -59,8 +59,8 @@ class Turn:
 class TrajectoryMeta(TypedDict, total=False):
     """What ``rollout.loop`` records next to a trajectory's turns (JSON in the Parquet shard's ``meta_json``).
 
-    Every key is optional to readers: trajectories built by hand (tests) or read from older shards may lack
-    any of them, so readers use ``meta.get(key, default)``.
+    Every key is optional to readers: trajectories built elsewhere than the rollout loop (by hand in tests, by
+    another producer) may lack any of them, so readers use ``meta.get(key, default)``.
     """
 
     env_name: str

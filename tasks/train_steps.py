@@ -15,26 +15,26 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ragen_core import session
-from ragen_core.types import UpdateStats
+from ragen_core.types import RolloutBatch, Selection, UpdateStats
 
 
 @task(name="rollout", task_run_name="rollout-it{sess.iteration:04d}", cache_policy=NO_CACHE)
-def rollout(sess: session.Session) -> session.RolloutBatch:
+def rollout(sess: session.Session) -> RolloutBatch:
     return session.collect_rollouts(sess)
 
 
 @task(name="diagnose", task_run_name="diagnose-it{sess.iteration:04d}", cache_policy=NO_CACHE)
-def diagnose(sess: session.Session, rollouts: session.RolloutBatch) -> dict[str, float]:
+def diagnose(sess: session.Session, rollouts: RolloutBatch) -> dict[str, float]:
     return session.diagnose(sess, rollouts)
 
 
 @task(name="filter", task_run_name="filter-it{sess.iteration:04d}", cache_policy=NO_CACHE)
-def filter_groups(sess: session.Session, rollouts: session.RolloutBatch) -> session.Selection:
+def filter_groups(sess: session.Session, rollouts: RolloutBatch) -> Selection:
     return session.tokenize_and_filter(sess, rollouts)
 
 
 @task(name="update", task_run_name="update-it{sess.iteration:04d}", cache_policy=NO_CACHE)
-def update(sess: session.Session, selection: session.Selection) -> UpdateStats:
+def update(sess: session.Session, selection: Selection) -> UpdateStats:
     return session.update_policy(sess, selection)
 
 
@@ -44,7 +44,7 @@ def evaluate(sess: session.Session) -> dict[str, float]:
 
 
 @task(name="record", task_run_name="record-it{sess.iteration:04d}", cache_policy=NO_CACHE)
-def record(sess: session.Session, rollouts: session.RolloutBatch, selection: session.Selection, stats: UpdateStats,
+def record(sess: session.Session, rollouts: RolloutBatch, selection: Selection, stats: UpdateStats,
            val: dict[str, float] | None, diagnostics: dict[str, float] | None = None) -> dict[str, float]:
     return session.record_iteration(sess, rollouts, selection, stats, val, diagnostics)
 

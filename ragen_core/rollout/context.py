@@ -64,7 +64,7 @@ def render_dialogue(
 
     ``block`` and ``user_texts`` (the instruction block and each turn's user message) are needed
     only to re-render the head when turns are dropped; without them the first kept turn's own
-    prompt delta stands in for the head (older trajectories, hand-made tests).
+    prompt delta stands in for the head (trajectories whose meta lacks them, e.g. hand-made in tests).
     ``heads`` caches rendered heads across calls for one episode.
     """
     cache: HeadCache = heads if heads is not None else {}
