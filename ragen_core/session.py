@@ -254,11 +254,9 @@ def open_session(
     rules = EarlyStopRules.from_config(h)
     if ckpt and (ckpt / "health.json").exists():
         saved = json.loads((ckpt / "health.json").read_text())
-        if "echo" not in saved:  # a checkpoint from before the early-stop rules: the monitor's state alone
-            saved = {"echo": saved, "rules": {}}
         monitor.load_state_dict(saved["echo"])
         rules.load_state_dict(saved["rules"])
-        collapse_ema = {str(k): float(v) for k, v in saved.get("collapse_ema", {}).items()}
+        collapse_ema = {str(k): float(v) for k, v in saved["collapse_ema"].items()}
     else:
         collapse_ema = {}
     with distributed.main_first():  # the iterations after the checkpoint are redone: rank 0 sets their rows aside

@@ -223,7 +223,7 @@ class CollapseMonitor:
         """Restore what :meth:`state_dict` returned."""
         d = dict(state)
         d["grad_norms"] = tuple(float(g) for g in d.get("grad_norms", ()))
-        d["levels"] = tuple(float(v) for v in d.get("levels", ()))  # absent in checkpoints made before the term
+        d["levels"] = tuple(float(v) for v in d["levels"])
         self.state = MonitorState(**d)
 
 
