@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
-    "SCHEMA", "SCHEMA_VERSION", "TURN_TYPE", "read_run", "read_shard", "read_trajectories", "rollouts_dir",
-    "shard_path", "to_table", "write_shard",
+    "COLUMN_DOCS", "SCHEMA", "SCHEMA_VERSION", "TURN_TYPE", "read_run", "read_shard", "read_trajectories",
+    "rollouts_dir", "shard_path", "to_table", "write_shard",
 ]
 
 SCHEMA_VERSION = 1
@@ -99,6 +99,40 @@ _COLUMNS: list[tuple[str, pa.DataType]] = [  # annotated: a list of mixed DataTy
 ]
 SCHEMA = pa.schema(_COLUMNS, metadata={_META_KEY: str(SCHEMA_VERSION).encode()})
 """One row per trajectory (module docstring)."""
+
+COLUMN_DOCS: dict[str, str] = {
+    "schema_version": "version of this schema the shard was written with (also in the file's metadata)",
+    "env_tag": "label of the env the trajectory was played in (env.tag, else its name)",
+    "seed": "env seed of the episode's initial state",
+    "group_id": "prompt group: the N trajectories sharing one initial state",
+    "success": "the episode solved the task",
+    "terminated": "the env reached a terminal state (gymnasium meaning)",
+    "truncated": "the episode was cut by a turn or action budget (gymnasium meaning)",
+    "dropped_turns": "older turns the context guard removed from the training sequence",
+    "kept": "the StarPO-S filter kept the trajectory's group for the update",
+    "env_return": "env reward, format penalties excluded (what the filter ranks by default)",
+    "total_return": "env reward plus format penalties: the trajectory's training reward",
+    "n_turns": "turns played",
+    "n_actions": "actions executed",
+    "prompt_tokens": "tokens of env and template text added before the replies, over all turns",
+    "response_tokens": "tokens the model sampled, over all turns",
+    "meta_json": "JSON of the rollout's rendering and diagnostic facts (types.TrajectoryMeta)",
+    "turns": "the turns, in order (fields below)",
+    "turn_values": "per turn, the critic head's value before each sampled token (empty lists without a head)",
+    "turns.observation": "the state text shown to the model at this turn",
+    "turns.prompt_ids": "token ids added to the context before this reply (env text and template tokens)",
+    "turns.response_ids": "exactly the sampled token ids, with the end-of-turn token when it was sampled",
+    "turns.logprobs": "log-probabilities of response_ids under the sampling distribution, in the dtype sampled in",
+    "turns.response_text": "the reply as it reads (the prefilled tag, then the decoded reply); training uses the ids",
+    "turns.actions": "the reply's actions that were valid and executed, in order",
+    "turns.reward": "sum of the env rewards of the executed actions",
+    "turns.penalty": "format penalty of the turn (0.0 or rollout.format_penalty), plus any format reward",
+    "turns.parse_ok": "the reply parsed and named only valid actions",
+    "turns.finish_reason": "'stop' (end-of-turn sampled) or 'length' (rollout.max_new_tokens reached)",
+    "turns.think_tokens": "tokens inside <think>...</think> (0 in NoThink mode)",
+    "turns.n_effective_actions": "executed actions that changed the env state",
+}
+"""Column (and ``turns.<field>``) -> one-line meaning: the docs' Parquet reference is made from it."""
 
 
 # ---------------------------------------------------------------------- writing

@@ -186,3 +186,12 @@ def test_write_killed_midway_leaves_no_shard(tmp_path: Path) -> None:
     store.write_shard(tmp_path, 5, [_hand()])
     assert [p.name for p in folder.iterdir()] == ["part-0.parquet"]
     assert store.read_trajectories(tmp_path) == [_hand()]
+
+
+def test_every_column_and_turn_field_has_a_doc() -> None:
+    # the docs' Parquet reference is made from COLUMN_DOCS: a new column without a meaning fails here
+    from ragen_core.store.parquet import COLUMN_DOCS, SCHEMA, TURN_TYPE
+
+    expected = {*SCHEMA.names, *(f"turns.{name}" for name in TURN_TYPE.names)}
+    assert set(COLUMN_DOCS) == expected
+    assert all(doc.strip() and "\n" not in doc for doc in COLUMN_DOCS.values())
