@@ -51,7 +51,7 @@ test-slow: install
 	$(PY) -m pytest -q -m "slow or integration" -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ragen_core tasks flows tests bench
+	$(VENV)/bin/ruff check ragen_core tasks flows tests bench docs/gen_reference.py
 
 # Files and strictness come from [tool.mypy] in pyproject.toml.
 typecheck: $(STAMP)
