@@ -20,7 +20,7 @@ from prefect import flow
 
 from flows._ui import publish_markdown
 from ragen_core import compare as cmp
-from ragen_core.sweeps.aggregate import study_metrics, write_study
+from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics, write_study
 from ragen_core.tracking.history import find_group, tracking_uri_for
 from tasks import compare_steps as steps
 
@@ -51,7 +51,7 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
     uri = tracking_uri or tracking_uri_for(refs)
     if tags or parent is not None:
         refs += [r for r in find_group(uri, tags, parent) if r not in refs]
-    fetched = steps.fetch_runs(uri, refs, study_metrics() if group_by else ())
+    fetched = steps.fetch_runs(uri, refs, study_metrics() if group_by else (), STUDY_PREFIXES if group_by else ())
     histories = [f.history for f in fetched]
     files = cmp.write_outputs(histories, Path(out_dir))
     study_md = ""

@@ -15,8 +15,9 @@ from ragen_core.tracking import history
 
 
 @task(name="fetch-runs", cache_policy=NO_CACHE)
-def fetch_runs(uri: str, refs: list[str], extra: tuple[str, ...] = ()) -> list[history.FetchedRun]:
-    return history.fetch_runs(uri, refs, extra)
+def fetch_runs(uri: str, refs: list[str], extra: tuple[str, ...] = (),
+               prefixes: tuple[str, ...] = ()) -> list[history.FetchedRun]:
+    return history.fetch_runs(uri, refs, extra, prefixes)
 
 
 @task(name="log-comparison", cache_policy=NO_CACHE)

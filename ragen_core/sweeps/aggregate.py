@@ -35,17 +35,21 @@ from ragen_core.tracking.plots import plot_curves
 from ragen_core.tracking.run_history import RunHistory, success_series
 
 __all__ = [
+    "GRAD_COLUMNS",
     "MOVE_SIGNALS",
     "RULE_PATIENCE_KEYS",
     "RUN_CSV_METRICS",
     "SIGNALS",
     "STUDY_CURVES",
+    "STUDY_PREFIXES",
     "GroupRow",
     "Judgement",
     "band",
     "collapse_at",
     "first_move",
     "first_moves",
+    "grad_markdown",
+    "grad_rows",
     "group_bands",
     "group_runs",
     "group_table",
@@ -91,6 +95,9 @@ def rule_patience(health: HealthConfig | None = None) -> dict[str, int]:
     h = health or HealthConfig()
     return {rule: getattr(h, key) for rule, key in RULE_PATIENCE_KEYS.items()}
 
+
+STUDY_PREFIXES = ("grad/",)
+"""Metric-name prefixes a study reads whole from each run: names that depend on the run's settings."""
 
 RUN_CSV_METRICS = ("val/success", "rollout/success", "rollout/reward_std_all", "rollout/reward_std_kept",
                    "actor/entropy", "actor/grad_norm", "response/length_mean", "response/clip_ratio",
@@ -357,6 +364,72 @@ def summary_metrics(table: Sequence[GroupRow]) -> dict[str, float]:
     return out
 
 
+GRAD_COLUMNS = ("task", "entropy", "kl", "value", "rows")
+"""grad.csv's measured columns: the gradient norm of each loss term over a bucket's rows, and how many rows."""
+
+
+def _bucket_order(bucket: str) -> tuple[int, float, str]:
+    """zero, then le_<edge> by edge, then gt_<edge> (the order trainer.update.bucket_names makes)."""
+    kind, _, edge = bucket.partition("_")
+    try:
+        value = float(edge)
+    except ValueError:
+        value = 0.0
+    return ({"zero": 0, "le": 1, "gt": 2}.get(kind, 3), value, bucket)
+
+
+def grad_rows(groups: Mapping[str, Sequence[RunHistory]]) -> list[list[object]]:
+    """grad.csv's rows: run, group, seed, iteration, bucket, then :data:`GRAD_COLUMNS` (empty where not logged),
+    from each run's ``grad/<bucket>/<term>`` histories (``diagnostics.grad_buckets_every``)."""
+    rows: list[list[object]] = []
+    for group, runs in groups.items():
+        for run in runs:
+            cells: dict[tuple[int, str], dict[str, float]] = {}
+            for name, series in run.histories.items():
+                head, _, rest = name.partition("/")
+                bucket, _, term = rest.rpartition("/")
+                if head != "grad" or not bucket or term not in GRAD_COLUMNS:
+                    continue
+                for step, value in series:
+                    cells.setdefault((int(step), bucket), {})[term] = value
+            for (step, bucket), values in sorted(cells.items(), key=lambda kv: (kv[0][0], _bucket_order(kv[0][1]))):
+                rows.append([run.name, group, run.tags.get("seed", ""), step, bucket,
+                             *(values.get(c) for c in GRAD_COLUMNS)])
+    return rows
+
+
+def grad_markdown(rows: Sequence[Sequence[object]]) -> list[str]:
+    """The gradient analysis per group and bucket: measurements, mean rows, mean norm of each term over the
+    measurements where the bucket had rows, and the task term over the regularisers (entropy + KL)."""
+    if not rows:
+        return []
+    cells: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for _run, group, _seed, _step, bucket, *values in rows:
+        cells.setdefault((str(group), str(bucket)), []).append(
+            {c: float(v) for c, v in zip(GRAD_COLUMNS, values, strict=True) if isinstance(v, (int, float))})
+    table = []
+    for (group, bucket), measured in sorted(cells.items(), key=lambda kv: (kv[0][0], _bucket_order(kv[0][1]))):
+        filled = [m for m in measured if m.get("rows", 0) > 0]
+
+        def mean(term: str, of: list[dict[str, float]]) -> float | None:
+            values = [m[term] for m in of if term in m and math.isfinite(m[term])]
+            return statistics.fmean(values) if values else None
+
+        ratios = [m["task"] / (m.get("entropy", 0.0) + m.get("kl", 0.0)) for m in filled
+                  if "task" in m and m.get("entropy", 0.0) + m.get("kl", 0.0) > 0]
+        table.append((group, bucket, f"{len(filled)}/{len(measured)}", _num(mean("rows", measured), ".1f"),
+                      *(_num(mean(t, filled), ".3g") for t in ("task", "entropy", "kl", "value")),
+                      _num(statistics.fmean(ratios) if ratios else None, ".3g")))
+    return ["", "## Gradient by reward-std bucket", "",
+            ("RAGEN-2's analysis, every `diagnostics.grad_buckets_every` iterations before the update, on the "
+             "unfiltered batch: the gradient norm of each loss term over the groups of each in-group reward-std "
+             "bucket, mean over the measurements where the bucket had rows; task ÷ regularisers is the mean of "
+             "task / (entropy + KL) per measurement. StarPO-S keeps the groups of largest std, so its update "
+             "never sees most of the zero and low buckets."), "",
+            *_md(["group", "bucket", "with rows", "rows (mean)", "task", "entropy", "kl", "value",
+                  "task ÷ regularisers"], table)]
+
+
 def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[object]]) -> Path:
     with path.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
@@ -382,6 +455,7 @@ def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "pres
                 patience: Mapping[str, int] | None = None, title: str = "study", lead: int = 10) -> dict[str, Path]:
     """study.md, groups.csv, monitor.csv, episodes.csv (sweeps/accounting.py: what each run did and the
     monitor's verdicts per class, ``lead`` iterations counting as early), runs.csv (every run's curves),
+    grad.csv (the gradient analysis per bucket, when the runs logged it),
     curves.csv and curves.png (mean line and ±1 std band per group) into ``out_dir``; returns them by kind."""
     from ragen_core.sweeps import accounting  # it builds on this module's collapse_at and signals
 
@@ -396,7 +470,12 @@ def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "pres
     verdicts = [v for g, rs in groups.items() for r in rs for v in accounting.score(r, g, patience, drop, lead)]
     paths = {"md": out_dir / "study.md"}
     report = study_markdown(title, table, judgements, moves, drop)
-    paths["md"].write_text(report + "\n" + "\n".join(accounting.accounting_markdown(verdicts, lead)) + "\n")
+    grads = grad_rows(groups)
+    paths["md"].write_text(report + "\n" + "\n".join([*accounting.accounting_markdown(verdicts, lead),
+                                                       *grad_markdown(grads)]) + "\n")
+    if grads:
+        paths["grad"] = _write_csv(out_dir / "grad.csv", ["run", group_by, "seed", "iteration", "bucket",
+                                                          *GRAD_COLUMNS], grads)
     paths["episodes"] = _write_csv(out_dir / "episodes.csv", ["run", "group", "signal", "class", "start", "end",
                                                               "depth", "duration", "level", "mode", "verdict",
                                                               "fired_at"],

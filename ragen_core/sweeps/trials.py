@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ragen_core.config import ConfigError, load_experiment
-from ragen_core.sweeps.aggregate import study_metrics
+from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics
 from ragen_core.sweeps.objective import objective_value
 from ragen_core.sweeps.space import SweepPlan, suggest_params, trial_experiment
 from ragen_core.sweeps.study import (
@@ -229,6 +229,7 @@ def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> 
            if t.state.name in ("COMPLETE", "PRUNED") and t.user_attrs.get("mlflow_run_id")]
     if not ran or base.tracking.backend == "none":
         return []
-    fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics())
+    fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics(),
+                         STUDY_PREFIXES)
     return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}})
             for f, t in zip(fetched, ran, strict=True)]

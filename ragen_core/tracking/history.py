@@ -105,16 +105,19 @@ def metric_histories(
     return out
 
 
-def fetch_runs(uri: str, refs: Sequence[str], extra: Sequence[str] = ()) -> list[FetchedRun]:
+def fetch_runs(uri: str, refs: Sequence[str], extra: Sequence[str] = (),
+               prefixes: Sequence[str] = ()) -> list[FetchedRun]:
     """Each run of ``refs`` (id or name) with the histories
-    :func:`ragen_core.tracking.run_history.wanted_metrics` asks for, and those of ``extra`` (a study's curves
-    and the monitor's streaks)."""
+    :func:`ragen_core.tracking.run_history.wanted_metrics` asks for, those of ``extra`` (a study's curves
+    and the monitor's streaks) and every metric of the run whose name starts with one of ``prefixes``
+    (``grad/``: names that depend on the run's settings)."""
     client = _client(uri)
     fetched = []
     for ref in refs:
         run = find_run(client, ref)
         tags = dict(run.data.tags)
-        wanted = dict.fromkeys((*wanted_metrics(tags.get("env", "")), *extra))
+        wanted = dict.fromkeys((*wanted_metrics(tags.get("env", "")), *extra,
+                                *sorted(m for m in run.data.metrics if m.startswith(tuple(prefixes)) and prefixes)))
         names = [m for m in wanted if m in run.data.metrics]
         history = RunHistory(name=run.info.run_name or ref, run_id=run.info.run_id, tags=tags,
                              histories=metric_histories(client, run.info.run_id, names))

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "experiments" / "smoke.yaml"
 FAST = ["trainer.iterations=2", "eval.seeds=2", "eval.every=1", "rollout.max_new_tokens=8",
         "trainer.checkpoint_every=0", "tracking.artifact_every=0", "tracking.sample_trajectories=0",
-        "diagnostics.collapse_every=1"]
+        "diagnostics.collapse_every=1", "diagnostics.grad_buckets_every=1"]
 BODY = ("space: {preset: [starpo, starpo-s], trainer.seed: [0, 1]}\ngroup_by: preset\nobjective: final\n"
         "pruner: none\nprune_on_health: false\n")
 
@@ -81,6 +81,13 @@ def test_the_aggregate_has_a_row_per_preset_and_every_signal_judged(study_run) -
     assert "collapse/first_turn/mi," not in curves
     md = (out / "study.md").read_text()
     assert "## The monitor on these runs" in md and "## Which signal moved first" in md
+    # the gradient analysis, read whole from each run (grad/ names depend on the bucket edges): both measured
+    # iterations of every run, each bucket of the default edges
+    grad = [line.split(",") for line in (out / "grad.csv").read_text().splitlines()]
+    assert grad[0] == ["run", "preset", "seed", "iteration", "bucket", "task", "entropy", "kl", "value", "rows"]
+    assert sorted({(r[1], r[3], r[4]) for r in grad[1:]}) == sorted(
+        (p, it, b) for p in ("starpo", "starpo-s") for it in ("0", "1") for b in ("zero", "le_0.2", "gt_0.2"))
+    assert len(grad) == 1 + 4 * 2 * 3 and "## Gradient by reward-std bucket" in md
 
 
 def test_compare_takes_a_group_by_parent_or_by_tag(study_run, tmp_path) -> None:
@@ -88,6 +95,8 @@ def test_compare_takes_a_group_by_parent_or_by_tag(study_run, tmp_path) -> None:
     uri = f"sqlite:///{data}/mlflow.db"
     text = compare(runs=[], out_dir=str(tmp_path / "a"), tracking_uri=uri, parent="tiny-study", group_by="preset")
     assert "4 runs by preset" in text and (tmp_path / "a" / "study" / "curves.png").exists()
+    assert (tmp_path / "a" / "study" / "grad.csv").read_text() == (data / "sweeps" / "tiny-study" / "study" /
+                                                                   "grad.csv").read_text()
     text = compare(runs=[], out_dir=str(tmp_path / "b"), tracking_uri=uri, tags={"study": "tiny-study", "seed": "1"},
                    group_by="algo")
     assert "2 runs by algo" in text

@@ -15,6 +15,8 @@ from ragen_core.sweeps.aggregate import (
     collapse_at,
     first_move,
     first_moves,
+    grad_markdown,
+    grad_rows,
     group_runs,
     group_table,
     judge,
@@ -161,3 +163,37 @@ def test_write_study_files(tmp_path: Path) -> None:
     assert episodes[0] == "run,group,signal,class,start,end,depth,duration,level,mode,verdict,fired_at"
     with pytest.raises(ValueError, match="no runs"):
         write_study([], tmp_path / "x")
+
+
+def test_gradient_buckets_by_group(tmp_path: Path) -> None:
+    # two measurements (steps 0 and 5) of one run per group; the zero bucket of starpo-s is empty at step 5
+    # (rows 0, no term logged) and the le_0.2 bucket is empty in both
+    starpo = run("a", "starpo", 0, grad__zero__task=[(0, 0.2), (5, 0.4)], grad__zero__entropy=[(0, 0.1), (5, 0.1)],
+                 grad__zero__kl=[(0, 0.1), (5, 0.3)], grad__zero__rows=[(0, 8.0), (5, 16.0)],
+                 val__success=[(0, 0.5)],
+                 **{"grad__gt_0.2__task": [(0, 3.0), (5, 1.0)], "grad__gt_0.2__entropy": [(0, 0.5), (5, 0.5)],
+                    "grad__gt_0.2__kl": [(0, 0.5), (5, 0.5)], "grad__gt_0.2__rows": [(0, 8.0), (5, 8.0)],
+                    "grad__le_0.2__rows": [(0, 0.0), (5, 0.0)]})
+    snr = run("b", "starpo-s", 0, grad__zero__task=[(0, 0.5)], grad__zero__entropy=[(0, 0.25)],
+              grad__zero__rows=[(0, 8.0), (5, 0.0)], val__success=[(0, 0.5)])
+    rows = grad_rows({"starpo": [starpo], "starpo-s": [snr]})
+    # run, group, seed, iteration, bucket, task, entropy, kl, value, rows; buckets zero, le, gt in each step
+    assert rows[:3] == [["a", "starpo", "0", 0, "zero", 0.2, 0.1, 0.1, None, 8.0],
+                        ["a", "starpo", "0", 0, "le_0.2", None, None, None, None, 0.0],
+                        ["a", "starpo", "0", 0, "gt_0.2", 3.0, 0.5, 0.5, None, 8.0]]
+    assert rows[-1] == ["b", "starpo-s", "0", 5, "zero", None, None, None, None, 0.0]
+    md = "\n".join(grad_markdown(rows))
+    # starpo zero: task (0.2 + 0.4) / 2 = 0.3; entropy 0.1; kl (0.1 + 0.3) / 2 = 0.2; rows (8 + 16) / 2 = 12;
+    # task / (entropy + kl) per measurement: 0.2 / 0.2 = 1 and 0.4 / 0.4 = 1, mean 1
+    assert "| starpo | zero | 2/2 | 12.0 | 0.3 | 0.1 | 0.2 | n/a | 1 |" in md
+    assert "| starpo | le_0.2 | 0/2 | 0.0 | n/a | n/a | n/a | n/a | n/a |" in md
+    # gt: task 2, ratios 3 / 1 and 1 / 1, mean 2
+    assert "| starpo | gt_0.2 | 2/2 | 8.0 | 2 | 0.5 | 0.5 | n/a | 2 |" in md
+    # starpo-s zero: one measurement with rows (0.5 / 0.25 = 2), rows (8 + 0) / 2 = 4
+    assert "| starpo-s | zero | 1/2 | 4.0 | 0.5 | 0.25 | n/a | n/a | 2 |" in md
+    paths = write_study([starpo, snr], tmp_path / "study", group_by="preset", patience=PATIENCE, title="t")
+    assert paths["grad"].read_text().splitlines()[0] == "run,preset,seed,iteration,bucket,task,entropy,kl,value,rows"
+    assert "## Gradient by reward-std bucket" in paths["md"].read_text()
+    # without grad/ histories there is no grad.csv and no section
+    plain = write_study([run("c", "starpo", 0, val__success=[(0, 0.5)])], tmp_path / "plain", patience=PATIENCE)
+    assert "grad" not in plain and "Gradient by" not in plain["md"].read_text()
