@@ -93,7 +93,7 @@ def config_page() -> str:
         section = hints[f.name]
         if not isinstance(section, type) or not dataclasses.is_dataclass(section):
             continue
-        out.append(f"\n## `{f.name}`: {f.metadata.get('doc', '')}\n\n")
+        out.append(f"\n## `{f.name}`\n\n")
         if section.__doc__:
             out.append(_cell(section.__doc__.strip().splitlines()[0]) + "\n\n")
         out.append("| key | type | default | meaning |\n|---|---|---|---|\n")

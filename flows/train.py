@@ -191,7 +191,7 @@ def _trial_reporter(trial: dict[str, Any]) -> Any:
 
 
 STORAGE_SECRET = "ragen-optuna-storage"
-"""The Prefect Secret block a worker may read the study storage's full URL from (README, GPU pool)."""
+"""The Prefect Secret block a worker may read the study storage's full URL from (docs/how-to/gpu-pool.md)."""
 
 
 def _trial_storage(url: str) -> str:

@@ -12,7 +12,7 @@ real ``prefect server`` (UI on) on 127.0.0.1. Then Debian's headless chromium op
 5. ``optuna-dashboard`` on the storage of a two-trial ``ragen sweep``: the study, its trials and its knob.
 
 Each test saves a screenshot (in its tmp dir; also into ``$RAGEN_SCREENSHOTS`` when set, which is how the
-README's pictures under docs/img/ are made) and asserts on the page's text, not only on a status code.
+pictures under docs/img/ on docs/how-to/browse.md are made) and asserts on the page's text, not only on a status code.
 Run alone: ``.venv/bin/python -m pytest tests/integration/test_browser.py`` (~2-3 min on 2 cores).
 """
 

@@ -1,6 +1,6 @@
 """prefect.yaml end to end on 127.0.0.1: server, process work pool, `prefect deploy --all`, a worker, a run.
 
-What a team does on its GPU machines (README "Running on GPU machines"), with the smoke
+What a team does on its GPU machines (docs/how-to/gpu-pool.md), with the smoke
 experiment for one iteration on CPU:
 
     prefect server start                                  (fixture, conftest.py)

@@ -1,6 +1,6 @@
 """A GPU pool on this machine: sweep trials as runs of the ragen-train-trial deployment, scheduled on GPU slots.
 
-What a team does with GPU machines (README "Running on GPU machines"), with every component real: a Prefect
+What a team does with GPU machines (docs/how-to/gpu-pool.md), with every component real: a Prefect
 server, the trial deployment on a process work pool, a worker started by `ragen worker` on a machine declaring
 two GPUs (RAGEN_GPUS=0,1: the scheduling is real, the runs compute on the CPU), an MLflow server and the Optuna
 study both on PostgreSQL, and `ragen sweep FILE --workers 4` with `dispatch: deployment` launching four trials

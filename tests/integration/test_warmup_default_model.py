@@ -16,11 +16,11 @@ After ``model.warmup: self_distill`` (bench/warmup.py prints the same numbers an
   0.1 nats (15x the canned warm-up's), and retrieval accuracy above chance (1/8).
 
 The thresholds were set from first principles (what the warm-up is for), not from the measured numbers;
-the numbers measured are in the README's warm-up rows.
+the numbers measured are in docs/concepts/fidelity.md (the format warm-up).
 
 Needs the converted model under $RAGEN_DATA_DIR/models (``ragen model fetch``); each warmed model is cached
-there too, so only the first run trains (minutes on two cores; the README says how many). Marked slow. The tiny
-model's checks are tests/unit/trainer/test_warmup.py.
+there too, so only the first run trains (minutes on two cores; docs/how-to/tests.md says how many). Marked slow.
+The tiny model's checks are tests/unit/trainer/test_warmup.py.
 
 Run: .venv/bin/python -m pytest -m slow tests/integration/test_warmup_default_model.py -q -s
 """

@@ -46,7 +46,7 @@ def test_config_sections_are_all_there(gen: ModuleType) -> None:
     page = gen.config_page()
     hints = typing.get_type_hints(ExperimentConfig)
     sections = [f.name for f in dataclasses.fields(ExperimentConfig) if dataclasses.is_dataclass(hints[f.name])]
-    assert sections and all(f"\n## `{s}`:" in page for s in sections)
+    assert sections and all(f"\n## `{s}`\n" in page for s in sections)
 
 
 def test_cli_page_has_every_visible_command_and_option(gen: ModuleType) -> None:

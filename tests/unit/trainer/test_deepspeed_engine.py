@@ -43,7 +43,8 @@ def deepspeed_installed() -> None:
 
 
 OFFLOAD = "trainer.deepspeed.zero_optimization.offload_optimizer.device=cpu"
-"""The README's example: ZeRO-Offload of the optimizer state to host memory (torch AdamW runs there)."""
+"""The example of docs/how-to/gpu-pool.md (GPU backends): ZeRO-Offload of the optimizer state to host memory (torch
+AdamW runs there)."""
 
 
 def _ds(stage: int) -> list[str]:
