@@ -92,6 +92,13 @@ class BanditEnv(TextEnv):
     def _action_names(self) -> tuple[str, ...]:
         return self._order
 
+    def _state(self) -> Any:
+        # The arms in the order shown, each with its payoff setting, then the pull and its payout (if any).
+        payoffs = {self.low_risk_name: [self.low_risk_reward, 1.0],
+                   self.high_risk_name: [self.high_risk_reward, self.high_risk_prob]}
+        return {"arms": [[arm, *payoffs[arm]] for arm in self._order], "pulled": self._pulled,
+                "payout": self._payout if self._pulled is not None else None}
+
     def _instruction(self) -> str:
         a, b = self._order
         return (

@@ -14,6 +14,11 @@ Contract shared by all envs (checked by tests/unit/envs/test_envs_conformance.py
 * ``info`` always holds ``success`` (bool), ``action_is_effective`` (bool: the game state
   changed), ``invalid_action`` (bool), ``action`` (the canonical action or None) and
   ``steps`` (actions taken this episode). Values are plain JSON types.
+* ``info["state_key"]`` (after ``reset`` and every ``step``) is ``env.state_key``: a string equal
+  exactly when two states of the env are equal, the state being everything that decides the
+  observations and the rules' outcomes from here on (a Sokoban grid with its boxes and player, a
+  FrozenLake map and position, ...). The step count and the dynamics generator are not part of it,
+  so a state reached by two action paths, or in two episodes, has one key (GiGPO's anchor states).
 * An unknown, empty or non-string action never raises: the game state is unchanged, the
   reward is 0.0, ``invalid_action`` is True, and the call still counts towards
   ``max_steps`` so that an episode always ends.
@@ -34,6 +39,7 @@ Run the conformance suite: ``.venv/bin/python -m pytest tests/unit/envs -q``.
 
 from __future__ import annotations
 
+import json
 import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -131,6 +137,15 @@ class TextEnv(gym.Env[str, str]):
         return {}
 
     @property
+    def state_key(self) -> str:
+        """The current state as a string: equal exactly when the states are equal (module docstring).
+
+        Canonical JSON of the env's name and its ``_state()``, so it is hashable, a plain JSON value in
+        ``info``, stored as is in Parquet, and the same in every process.
+        """
+        return json.dumps([self.name, self._state()], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    @property
     def episode_seed(self) -> int | None:
         """Seed of the current episode (None before the first reset)."""
         return self._seed
@@ -175,7 +190,7 @@ class TextEnv(gym.Env[str, str]):
         self._success = False
         self._has_reset = True
         extra = self._reset(layout_rng, options)
-        info: dict[str, Any] = {"seed": seed, "success": False, **extra}
+        info: dict[str, Any] = {"seed": seed, "success": False, **extra, "state_key": self.state_key}
         return self.render(), info
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -185,6 +200,7 @@ class TextEnv(gym.Env[str, str]):
         if self._terminated or self._truncated:
             info = self._base_info(None, effective=False, invalid=True)
             info["episode_over"] = True
+            info["state_key"] = self.state_key
             return self.render(), 0.0, self._terminated, self._truncated, info
         self._steps += 1
         canonical = self.match_action(action)
@@ -198,6 +214,7 @@ class TextEnv(gym.Env[str, str]):
         self._truncated = (not self._terminated) and self.max_steps is not None and self._steps >= self.max_steps
         info = self._base_info(None if outcome.invalid else canonical, outcome.effective, outcome.invalid)
         info.update(outcome.info)
+        info["state_key"] = self.state_key
         return self.render(), reward, self._terminated, self._truncated, info
 
     def render(self) -> str:
@@ -214,6 +231,10 @@ class TextEnv(gym.Env[str, str]):
         raise NotImplementedError
 
     def _action_names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _state(self) -> Any:
+        """The full current state as plain JSON values, in a canonical order (``state_key`` encodes it)."""
         raise NotImplementedError
 
     def _instruction(self) -> str:

@@ -301,6 +301,11 @@ class CountdownEnv(TextEnv):
     def _action_names(self) -> tuple[str, ...]:
         return ("<arithmetic expression>",)
 
+    def _state(self) -> Any:
+        # The graded answer decides the rest of the observation (its value and verdict); None before it.
+        p = self._problem
+        return {"numbers": list(p.numbers) if p else [], "target": p.target if p else None, "answer": self._answer}
+
     def _instruction(self) -> str:
         return (
             "You are solving a Countdown puzzle. Write an arithmetic expression that uses each of the "

@@ -144,6 +144,9 @@ class FrozenLakeEnv(TextEnv):
     def _action_names(self) -> tuple[str, ...]:
         return ACTIONS
 
+    def _state(self) -> Any:
+        return {"map": list(self._map), "player": list(self._pos)}
+
     def _instruction(self) -> str:
         return (
             "You are crossing a frozen lake. Walk to the goal without falling into a hole. "

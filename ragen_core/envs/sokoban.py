@@ -518,10 +518,18 @@ class SokobanEnv(TextEnv):
             "You cannot pull a box, push two boxes at once, or push a box into a wall."
         )
 
+    def _state(self) -> Any:
+        # The grid in the default symbols holds all of it: walls, floor, targets, boxes and the player.
+        return self._grid(DEFAULT_SYMBOLS)
+
     def render(self) -> str:
+        return self._grid(self.symbols)
+
+    def _grid(self, symbols: str) -> str:
+        """The current state drawn with ``symbols`` ('' before the first reset)."""
         if self._level is None:
             return ""
-        wall, empty, target, box_t, box, player, player_t = tuple(self.symbols)
+        wall, empty, target, box_t, box, player, player_t = tuple(symbols)
         lv = self._level
         rows = []
         for r in range(lv.height):

@@ -28,6 +28,7 @@ split ``(0, 500)``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -204,6 +205,19 @@ class WebShopEnv(TextEnv):
                   "r_type": score.r_type, "attributes_matched": score.attributes_matched,
                   "options_matched": score.options_matched, "price_ok": score.price_ok},
         )
+
+    def _state(self) -> Any:
+        # The goal decides the instruction and the purchase reward; the rest is where the shopper is, with only what
+        # the page can still show or return to: the search (query, results, page number) on the results and item
+        # pages, the item and its options on the item and done pages. The chosen options keep their order: the
+        # pages list them in the order they were picked.
+        state: dict[str, Any] = {"goal": dataclasses.asdict(self._goal) if self._goal is not None else None,
+                                 "page": self._page}
+        if self._page in ("results", "item"):
+            state.update(query=self._query, results=list(self._results), page_no=self._page_no)
+        if self._page in ("item", "done"):
+            state.update(asin=self._asin, chosen=[list(kv) for kv in self._chosen.items()])
+        return state
 
     # ------------------------------------------------------------------ text
     def _instruction(self) -> str:

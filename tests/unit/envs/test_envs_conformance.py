@@ -22,7 +22,7 @@ import pytest
 from ragen_core.envs import TextEnv, list_envs, make
 
 ENVS = list_envs()
-INFO_KEYS = {"success", "action_is_effective", "invalid_action", "action", "steps"}
+INFO_KEYS = {"success", "action_is_effective", "invalid_action", "action", "steps", "state_key"}
 JSON_TYPES = (bool, int, float, str, type(None), list, dict)
 
 # The same code computes a trajectory digest in this process and in a child process.
@@ -60,6 +60,7 @@ def _check_info(env: TextEnv, info: dict) -> None:
     assert isinstance(info["action_is_effective"], bool)
     assert isinstance(info["invalid_action"], bool)
     assert isinstance(info["steps"], int)
+    assert isinstance(info["state_key"], str) and info["state_key"] == env.state_key
     json.dumps(info)  # plain JSON values only
     for v in info.values():
         assert isinstance(v, JSON_TYPES)
