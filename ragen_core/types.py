@@ -54,6 +54,9 @@ class Turn:
     values: tuple[float, ...] = ()
     """The critic head's value of the state before each of ``response_ids`` at sampling time (``Generation.values``;
     empty when the generator records none). It spares the update a forward for its old values (trainer.update)."""
+    state_key: str = ""
+    """Key of the env state this turn acted on (``info["state_key"]`` before its actions; equal keys = equal states).
+    GiGPO's step groups are the turns of one prompt group with equal keys; '' (unknown) never joins a step group."""
 
 
 class TrajectoryMeta(TypedDict, total=False):

@@ -31,8 +31,9 @@ episodes). Per reply (SPEC §3):
   If even the instruction and the newest turn no longer fit the context, it ends truncated
   with ``meta["context_overflow"] = True`` (never a crash).
 
-Each Turn stores its prompt delta and the exact sampled ids and log-probs, and ``Trajectory.meta``
-holds the texts the renderer needs to re-render a head (``instruction``, ``user_texts``), so
+Each Turn stores its prompt delta, the exact sampled ids and log-probs, and the key of the state it acted
+on (``Turn.state_key``, the env's ``info["state_key"]`` before the turn's actions: GiGPO's step groups), and
+``Trajectory.meta`` holds the texts the renderer needs to re-render a head (``instruction``, ``user_texts``), so
 ``batch.build_token_batch`` rebuilds the training row exactly, also after a Parquet round trip.
 ``meta`` keys (:class:`ragen_core.types.TrajectoryMeta`): ``env_name``, ``member`` (index in the group),
 ``dynamics_seed``, ``system_prompt``, ``prefill``, ``instruction`` (the instruction block), ``user_texts``
@@ -100,6 +101,8 @@ class _Episode:
     block: str
     session: Hashable
     obs: str
+    state_key: str
+    """``info["state_key"]`` of the env's current state (after reset, then after each action)."""
     turns: list[Turn] = field(default_factory=list)
     prompts: list[tuple[int, ...]] = field(default_factory=list)
     user_texts: list[str] = field(default_factory=list)
@@ -196,10 +199,11 @@ def _new_episode(env_cfg: EnvConfig, cfg: RolloutConfig, seed: int, group_id: in
                  session: Hashable) -> _Episode:
     env = episode_env(env_cfg, cfg)
     # Same layout for the whole group; shared or own luck per member (module docstring).
-    obs, _ = env.reset(seed=int(seed), options={"dynamics_seed": dynamics_seed(cfg, member)})
+    obs, info = env.reset(seed=int(seed), options={"dynamics_seed": dynamics_seed(cfg, member)})
     block = instruction_block(env.instruction, env.legend, env.action_names, cfg.max_actions_per_turn,
                               free_form=env.free_form_actions)
-    return _Episode(group_id=group_id, member=member, seed=int(seed), env=env, block=block, session=session, obs=obs)
+    return _Episode(group_id=group_id, member=member, seed=int(seed), env=env, block=block, session=session, obs=obs,
+                    state_key=str(info["state_key"]))
 
 
 def _turn_seed(sampling_seed: int | None, turn: int) -> int | None:
@@ -246,11 +250,12 @@ def _apply_reply(ep: _Episode, gen: Generation, renderer: ChatRenderer, cfg: Rol
     text = renderer.reply_text(gen.token_ids)  # the prefilled tag, then the sampled text (SPEC §3)
     parsed = parse_response(text, think=cfg.think, max_actions=cfg.max_actions_per_turn)
     matched = match_actions(parsed.actions, ep.env.match_action)
-    obs_before, reward, executed, effective, rejected = ep.obs, 0.0, [], 0, 0
+    obs_before, key_before, reward, executed, effective, rejected = ep.obs, ep.state_key, 0.0, [], 0, 0
     for action in matched.valid:
         if ep.actions_used >= cfg.max_actions_per_episode or ep.terminated or ep.truncated:
             break
         ep.obs, r, terminated, truncated, info = ep.env.step(action)
+        ep.state_key = str(info["state_key"])
         ep.actions_used += 1  # a rejected action still spends budget, as it spends the env's steps
         reward += float(r)
         if info.get("invalid_action", False):
@@ -267,6 +272,7 @@ def _apply_reply(ep: _Episode, gen: Generation, renderer: ChatRenderer, cfg: Rol
         reward=reward, penalty=cfg.format_reward if ok else cfg.format_penalty, parse_ok=ok,
         finish_reason=gen.finish_reason, think_tokens=renderer.count_tokens(parsed.think) if cfg.think else 0,
         n_effective_actions=effective, values=tuple(gen.values) if gen.values is not None else (),
+        state_key=key_before,
     ))
     ep.named.append(len(parsed.actions))
     ep.unknown.append(len(matched.unknown) + rejected)

@@ -74,6 +74,7 @@ TURN_TYPE = pa.struct([
     ("finish_reason", pa.string()),
     ("think_tokens", pa.int32()),
     ("n_effective_actions", pa.int32()),
+    ("state_key", pa.string()),
 ])
 """One ``types.Turn``; field names are the dataclass's."""
 
@@ -131,6 +132,8 @@ COLUMN_DOCS: dict[str, str] = {
     "turns.finish_reason": "'stop' (end-of-turn sampled) or 'length' (rollout.max_new_tokens reached)",
     "turns.think_tokens": "tokens inside <think>...</think> (0 in NoThink mode)",
     "turns.n_effective_actions": "executed actions that changed the env state",
+    "turns.state_key": "key of the env state the turn acted on (env.state_key before its actions): equal keys, "
+                       "equal states; '' when unknown. GiGPO's step groups",
 }
 """Column (and ``turns.<field>``) -> one-line meaning: the docs' Parquet reference is made from it."""
 
@@ -278,6 +281,7 @@ def _trajectory(row: Mapping[Hashable, Any]) -> Trajectory:
             think_tokens=int(t["think_tokens"]),
             n_effective_actions=int(t["n_effective_actions"]),
             values=v,
+            state_key=str(t["state_key"]),
         )
         for t, v in zip(row["turns"], values, strict=True)
     )

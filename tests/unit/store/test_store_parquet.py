@@ -33,7 +33,7 @@ from ragen_core.types import Trajectory, Turn
 
 def _hand() -> Trajectory:
     turn = Turn("état √ 日本\n#P#", (1, 2, 3), (7, 8, 2), (-0.5, -0.25, -1.125), "réponse 🙂", ("Up", "Left"),
-                -0.2, -0.1, False, "stop", 4, 1, (0.5, -1.25, 3.0))
+                -0.2, -0.1, False, "stop", 4, 1, (0.5, -1.25, 3.0), '["Sokoban","#P#"]')
     cut = Turn("s", (9,), (10,) * 5, (-2.0,) * 5, "", (), 0.0, -0.1, False, "length", 0, 0)
     return Trajectory("SokobanNewVocab", 2**40, 7, (turn, cut), success=False, terminated=False, truncated=True,
                       dropped_turns=1, meta={"member": 3, "user_texts": ["a", "b"], "nested": {"x": [1, 2]}})
@@ -59,6 +59,7 @@ def test_round_trip_is_exact(tmp_path: Path, rollouts: tuple[list[Trajectory], R
     assert frame["schema_version"].tolist() == [store.SCHEMA_VERSION] * 5
     back = store.read_trajectories(frame)
     assert back == everything  # frozen dataclasses compare field by field (ids, logprobs, texts, meta)
+    assert all(turn.state_key for t in trajs for turn in t.turns)  # the rollout recorded each turn's state key
     assert store.read_trajectories(path) == everything and store.read_trajectories(tmp_path) == everything
     # Parquet -> Trajectory -> TokenBatch gives the very same tensors
     tok = load_tokenizer("tiny-random")
