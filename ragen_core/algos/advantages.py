@@ -1,4 +1,4 @@
-"""Advantage estimators for StarPO (SPEC §4): token GAE, GRPO, and bi-level (turn then token) GAE.
+"""Advantage estimators for StarPO (SPEC §4): token GAE, GRPO, bi-level (turn then token) GAE, and GiGPO.
 
 Pure tensor functions (STYLE rule 1), computed under ``torch.no_grad``: they
 return new tensors and never touch their arguments (STYLE rule 3). Whitening is
@@ -17,11 +17,13 @@ Run the tests with ``python -m pytest tests/unit/algos -q``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
+
 import torch
 
 from ragen_core.algos.masked import masked_whiten as whiten
 
-__all__ = ["bilevel_gae", "gae", "grpo", "whiten"]
+__all__ = ["bilevel_gae", "gae", "gigpo", "grpo", "step_groups", "whiten"]
 
 
 def _check_discounts(**factors: float) -> None:
@@ -193,3 +195,82 @@ def bilevel_gae(
     advantages = _gae_scan(end_rewards, values, mask, ends, gamma, lam)  # [B, T]
     returns = torch.where(mask, advantages + values, torch.zeros_like(values))  # [B, T]
     return advantages, returns
+
+
+def _group_centred(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """x minus its group's mean: x: [n] float, group_ids: [n] long -> [n] (0 for a group of one)."""
+    _, group, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)  # [n], [G]
+    mean = x.new_zeros(counts.shape).index_add(0, group, x) / counts.to(x.dtype)  # [G]
+    return x - mean[group]
+
+
+_STEP_NORMS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"std": grpo, "mean": _group_centred}
+"""GiGPO's step normalisations: (return-to-go [n], step group ids [n]) -> step advantages [n]. ``std`` is GRPO's
+(R − mean) / (std + eps) with its zero-std and singleton rules; ``mean`` only subtracts the group mean."""
+
+
+def step_groups(state_keys: Sequence[Sequence[Hashable]], group_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """GiGPO's step groups: one id per turn, equal exactly for turns of one prompt group with equal state keys.
+
+    state_keys: B sequences (row b's turns, in order) of hashable keys; group_ids: [B]
+    -> [n] long, n = all turns, row by row. Keys match across the trajectories of a group and within one
+    (a state the trajectory comes back to); never across prompt groups.
+    """
+    groups = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    if len(groups) != len(state_keys):
+        raise ValueError(f"state_keys has {len(state_keys)} rows for {len(groups)} group ids")
+    ids: dict[tuple[int, Hashable], int] = {}
+    flat = [ids.setdefault((int(g), key), len(ids)) for g, keys in zip(groups, state_keys, strict=True) for key in keys]
+    return torch.tensor(flat, dtype=torch.long)  # [n]
+
+
+@torch.no_grad()
+def gigpo(
+    returns: torch.Tensor,
+    step_rewards: Sequence[Sequence[float] | torch.Tensor],
+    state_keys: Sequence[Sequence[Hashable]],
+    group_ids: torch.Tensor,
+    gamma: float = 0.95,
+    omega: float = 1.0,
+    step_norm: str = "std",
+) -> torch.Tensor:
+    """GiGPO advantage of every turn: episode advantage + ω · step advantage (arXiv 2505.10978, Eq. 8).
+
+    returns: [B] float (trajectory total returns), step_rewards: B sequences of per-turn rewards,
+    state_keys: B sequences of per-turn keys of the state each turn acted on (as long as its rewards),
+    group_ids: [B] long -> advantages [B, K] float, K the most turns of a row, 0 past a row's last turn
+    (padded like the other estimators' [B, T]; the trainer gives turn k's value to the tokens of turn k's reply).
+
+    * Episode: A^E = ``grpo(returns, group_ids)``, the same for every turn of a trajectory (paper Eq. 3).
+    * Step: within a prompt group the turns whose states have equal keys form a step group
+      (:func:`step_groups`; paper §3.2, anchor states). A turn's discounted return-to-go
+      R_t = Σ_{k≥t} γ^(k−t)·r_k (its own trajectory's rewards, paper Eq. 6) is normalised over its step
+      group: step_norm ``std``: (R_t − mean) / (std + 1e-6), the grpo rule (unbiased std; 0 when the group
+      has one turn or std < 1e-6); ``mean``: R_t − mean (paper Eq. 7 with F_norm = 1). A step group of one
+      turn contributes 0 either way.
+    """
+    _check_discounts(gamma=gamma)
+    if step_norm not in _STEP_NORMS:
+        raise ValueError(f"step_norm must be one of {sorted(_STEP_NORMS)}, got {step_norm!r}")
+    B = returns.shape[0]
+    if returns.dim() != 1 or len(step_rewards) != B or len(state_keys) != B:
+        raise ValueError(f"need [B] returns and B rows of step rewards and state keys; got returns "
+                         f"{tuple(returns.shape)}, {len(step_rewards)} and {len(state_keys)} rows")
+    lengths = [len(keys) for keys in state_keys]
+    if [len(r) for r in step_rewards] != lengths:
+        raise ValueError("each row needs one step reward per state key")
+    episode = grpo(returns, group_ids)  # [B]
+    k_max = max(lengths, default=0)
+    turn_mask = torch.arange(k_max)[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]  # [B, K]
+    rewards = torch.zeros(B, k_max, dtype=torch.float64)  # [B, K], 0 past a row's last turn
+    for b, row in enumerate(step_rewards):
+        rewards[b, : lengths[b]] = torch.as_tensor(row, dtype=torch.float64)
+    to_go = torch.zeros_like(rewards)  # [B, K] R_t; zero padding ends each row's sum at its last turn
+    running = rewards.new_zeros(B)  # [B]
+    for k in range(k_max - 1, -1, -1):
+        running = rewards[:, k] + gamma * running
+        to_go[:, k] = running
+    step = torch.zeros_like(rewards)  # [B, K]
+    step[turn_mask] = _STEP_NORMS[step_norm](to_go[turn_mask], step_groups(state_keys, group_ids))  # row-major
+    out = torch.where(turn_mask, episode.to(torch.float64)[:, None] + omega * step, 0.0)  # [B, K]
+    return out.to(episode.dtype)

@@ -337,3 +337,154 @@ def test_no_argument_mutated() -> None:
     returns, ids = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([4, 4, 1])
     advantages.grpo(returns, ids)
     assert torch.equal(returns, torch.tensor([1.0, 0.0, 3.0])) and torch.equal(ids, torch.tensor([4, 4, 1]))
+
+
+# ---------------------------------------------------------------- gigpo
+
+
+def gigpo_loop(returns, step_rewards, state_keys, group_ids, gamma, omega, step_norm):
+    """GiGPO as plain Python: GRPO per trajectory, return-to-go per turn, normalised over same-state turns."""
+    episode = grpo_loop(returns, group_ids)
+    to_go = [[sum(gamma ** (k - t) * r[k] for k in range(t, len(r))) for t in range(len(r))] for r in step_rewards]
+    out = []
+    for b, keys in enumerate(state_keys):
+        row = []
+        for t, key in enumerate(keys):
+            peers = [to_go[c][u] for c, ks in enumerate(state_keys) for u, k in enumerate(ks)
+                     if group_ids[c] == group_ids[b] and k == key]
+            if len(peers) < 2:
+                step = 0.0
+            elif step_norm == "mean":
+                step = to_go[b][t] - statistics.mean(peers)
+            else:
+                sd = statistics.stdev(peers)
+                step = 0.0 if sd < 1e-6 else (to_go[b][t] - statistics.mean(peers)) / (sd + 1e-6)
+            row.append(episode[b] + omega * step)
+        out.append(row)
+    return out
+
+
+# The golden case (γ = 0.5 so that the returns-to-go are exact binary fractions). Two prompt groups:
+#   group 0: A keys [a, b, a] rewards [-0.25, 0, 1]   (A comes back to state a: FrozenLake's Left, Right)
+#            B keys [a, c]    rewards [0, 0]
+#            C keys [a, b]    rewards [0.5, 1]
+#   group 1: D keys [a, d]    rewards [0, 1]           (its a is another group's: never pooled with group 0's)
+#            E keys [a]       rewards [0]
+# Returns (sums): A 0.75, B 0, C 1.5 | D 1, E 0.
+# Episode (grpo): group 0 mean 0.75, devs [0, -0.75, 0.75], unbiased std sqrt(2·0.5625/2) = 0.75
+#   -> A 0, B -0.75/(0.75 + 1e-6) ≈ -1, C ≈ +1; group 1 mean 0.5, std sqrt(0.5) -> D ≈ +0.70711, E ≈ -0.70711.
+# Returns-to-go R_t = r_t + 0.5·R_{t+1}: A [-0.25 + 0.5·0.5, 0 + 0.5·1, 1] = [0, 0.5, 1]; B [0, 0];
+#   C [0.5 + 0.5·1, 1] = [1, 1]; D [0 + 0.5·1, 1] = [0.5, 1]; E [0].
+# Step groups: group 0 a = {A0 0, A2 1, B0 0, C0 1} (across trajectories and twice within A): mean 0.5,
+#   devs ±0.5, std sqrt(4·0.25/3) = 0.57735 -> ±0.5/0.57735 = ±0.86603 (std), ±0.5 (mean);
+#   b = {A1 0.5, C1 1}: mean 0.75, devs ∓0.25, std sqrt(2·0.0625) = 0.35355 -> ∓0.70711 (std), ∓0.25 (mean);
+#   c = {B1} and d = {D1}: one turn each -> 0; group 1 a = {D0 0.5, E0 0}: mean 0.25, devs ±0.25, std 0.35355
+#   -> ±0.70711 (std), ±0.25 (mean).
+G_RETURNS = [0.75, 0.0, 1.5, 1.0, 0.0]
+G_REWARDS = [[-0.25, 0.0, 1.0], [0.0, 0.0], [0.5, 1.0], [0.0, 1.0], [0.0]]
+G_KEYS = [["a", "b", "a"], ["a", "c"], ["a", "b"], ["a", "d"], ["a"]]
+G_GROUPS = [0, 0, 0, 1, 1]
+_E0, _E1 = 0.75 / (0.75 + 1e-6), 0.5 / (math.sqrt(0.5) + 1e-6)  # episode advantages ≈ 1 and ≈ 0.70711
+_SA, _SB = 0.5 / (math.sqrt(1 / 3) + 1e-6), 0.25 / (math.sqrt(0.125) + 1e-6)  # step, std: ≈ 0.86603, ≈ 0.70711
+_S1 = 0.25 / (math.sqrt(0.125) + 1e-6)  # group 1's state a, std ≈ 0.70711
+
+
+def _gigpo_golden(**kwargs) -> torch.Tensor:
+    return advantages.gigpo(torch.tensor(G_RETURNS, dtype=F64), G_REWARDS, G_KEYS, torch.tensor(G_GROUPS),
+                            gamma=0.5, **kwargs)
+
+
+def test_gigpo_golden_std() -> None:
+    # A = A^E + 1·A^S, padded with 0 past each trajectory's last turn
+    expected = t([
+        [0.0 - _SA, 0.0 - _SB, 0.0 + _SA],  # A: ≈ [-0.86603, -0.70711, 0.86603]
+        [-_E0 - _SA, -_E0 + 0.0, 0.0],  # B: ≈ [-1.86603, -1.0]; c is a step group of one
+        [_E0 + _SA, _E0 + _SB, 0.0],  # C: ≈ [1.86603, 1.70711]
+        [_E1 + _S1, _E1 + 0.0, 0.0],  # D: ≈ [1.41421, 0.70711]
+        [-_E1 - _S1, 0.0, 0.0],  # E: ≈ [-1.41421]
+    ])
+    adv = _gigpo_golden()
+    torch.testing.assert_close(adv, expected)
+    assert adv[1, 0].item() == pytest.approx(-1.86603, abs=1e-5)
+    assert adv[3, 0].item() == pytest.approx(1.41421, abs=1e-5)
+
+
+def test_gigpo_golden_mean() -> None:
+    expected = t([
+        [-0.5, -0.25, 0.5],  # A: episode 0, step devs of a, b, a
+        [-_E0 - 0.5, -_E0, 0.0],  # B: ≈ [-1.5, -1.0]
+        [_E0 + 0.5, _E0 + 0.25, 0.0],  # C: ≈ [1.5, 1.25]
+        [_E1 + 0.25, _E1, 0.0],  # D: ≈ [0.95711, 0.70711]
+        [-_E1 - 0.25, 0.0, 0.0],  # E: ≈ [-0.95711]
+    ])
+    torch.testing.assert_close(_gigpo_golden(step_norm="mean"), expected)
+
+
+def test_gigpo_omega_scales_the_step_part_and_omega_zero_is_grpo_exactly() -> None:
+    episode = advantages.grpo(torch.tensor(G_RETURNS), torch.tensor(G_GROUPS))  # float32, as the trainer's
+    lengths = torch.tensor([len(k) for k in G_KEYS])
+    turn_mask = torch.arange(3)[None, :] < lengths[:, None]  # [5, 3]
+    for norm in ("std", "mean"):
+        adv = advantages.gigpo(torch.tensor(G_RETURNS), G_REWARDS, G_KEYS, torch.tensor(G_GROUPS), omega=0.0,
+                               step_norm=norm)
+        assert adv.dtype == torch.float32
+        assert torch.equal(adv, torch.where(turn_mask, episode[:, None], 0.0))  # bit for bit
+    half, full = _gigpo_golden(omega=0.5), _gigpo_golden()
+    grpo64 = advantages.grpo(torch.tensor(G_RETURNS, dtype=F64), torch.tensor(G_GROUPS))
+    episode64 = torch.where(turn_mask, grpo64[:, None], 0.0)
+    torch.testing.assert_close(half - episode64, 0.5 * (full - episode64))
+
+
+def test_gigpo_equal_returns_to_go_and_a_lone_trajectory_give_no_step_advantage() -> None:
+    # group 3: both turns at state s have R = 1 (std 0 -> 0, mean 0 -> 0); group 8 has one trajectory (grpo: 0)
+    adv = advantages.gigpo(torch.tensor([1.0, 1.0, 2.0]), [[1.0], [0.0, 1.0], [2.0]], [["s"], ["x", "s"], ["s"]],
+                           torch.tensor([3, 3, 8]), gamma=1.0)
+    assert adv.tolist() == [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+def test_gigpo_step_groups_are_per_prompt_group_and_key() -> None:
+    ids = advantages.step_groups(G_KEYS, torch.tensor(G_GROUPS))
+    # turns row by row: A0 A1 A2 B0 B1 C0 C1 | D0 D1 E0
+    assert ids.tolist() == [0, 1, 0, 0, 2, 0, 1, 3, 4, 3]
+
+
+def test_gigpo_rejects_bad_inputs() -> None:
+    r, g = torch.tensor([0.0, 1.0]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="step_norm"):
+        advantages.gigpo(r, [[0.0], [1.0]], [["a"], ["a"]], g, step_norm="max")
+    with pytest.raises(ValueError, match="one step reward per state key"):
+        advantages.gigpo(r, [[0.0], [1.0, 0.0]], [["a"], ["a"]], g)
+    with pytest.raises(ValueError, match="rows"):
+        advantages.gigpo(r, [[0.0]], [["a"]], g)
+    with pytest.raises(ValueError, match="gamma"):
+        advantages.gigpo(r, [[0.0], [1.0]], [["a"], ["a"]], g, gamma=1.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(  # trajectories: (group, [(state, reward) per turn])
+        st.tuples(st.integers(0, 2),
+                  st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, -0.1, 0.5, 1.0, 10.0])),
+                           min_size=1, max_size=4)),
+        min_size=1, max_size=8),
+    st.sampled_from([0.0, 0.5, 0.95, 1.0]), st.sampled_from([0.0, 0.3, 1.0]), st.sampled_from(["std", "mean"]),
+)
+def test_gigpo_matches_plain_loop(trajs, gamma, omega, step_norm) -> None:
+    groups = [g * 5 for g, _ in trajs]
+    keys = [[f"s{s}" for s, _ in turns] for _, turns in trajs]
+    rewards = [[r for _, r in turns] for _, turns in trajs]
+    returns = [sum(r) for r in rewards]
+    adv = advantages.gigpo(torch.tensor(returns, dtype=F64), rewards, keys, torch.tensor(groups), gamma=gamma,
+                           omega=omega, step_norm=step_norm)
+    expected = gigpo_loop(returns, rewards, keys, groups, gamma, omega, step_norm)
+    k = max(len(r) for r in rewards)
+    torch.testing.assert_close(adv, t([row + [0.0] * (k - len(row)) for row in expected]))
+
+
+def test_gigpo_mutates_nothing() -> None:
+    returns, groups = torch.tensor(G_RETURNS), torch.tensor(G_GROUPS)
+    rewards = [torch.tensor(r) for r in G_REWARDS]
+    copies = [r.clone() for r in rewards]
+    advantages.gigpo(returns, rewards, G_KEYS, groups)
+    assert torch.equal(returns, torch.tensor(G_RETURNS)) and torch.equal(groups, torch.tensor(G_GROUPS))
+    assert all(torch.equal(r, c) for r, c in zip(rewards, copies, strict=True))
