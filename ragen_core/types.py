@@ -143,6 +143,9 @@ class TokenBatch:
     group_ids: torch.Tensor  # [B] long, trajectories sharing an initial state
     returns: torch.Tensor  # [B] float, trajectory total_return (GRPO input)
     old_values: torch.Tensor | None = None  # [B, T] float, critic head values at sampling where loss_mask, else 0
+    # Per turn of the trajectory (K = the most turns of a row, Trajectory.turns order, also turns the row dropped):
+    turn_rewards: torch.Tensor | None = None  # [B, K] float, each turn's reward + penalty, 0 past the last turn
+    turn_states: torch.Tensor | None = None  # [B, K] long, each turn's state key as an id (same key, same id), -1 after
 
     @property
     def batch_size(self) -> int:
@@ -161,7 +164,11 @@ class TokenBatch:
         if self.old_values is not None:
             sub["old_values"] = self.old_values.index_select(0, idx)
         sub = {k: v[:, :width] if v.dim() == 2 else v for k, v in sub.items()}
-        return TokenBatch(**sub, group_ids=gi, returns=self.returns.index_select(0, idx))
+        # per-turn tensors [b, K] are indexed by turn, not cut like the token columns
+        rewards = None if self.turn_rewards is None else self.turn_rewards.index_select(0, idx)
+        states = None if self.turn_states is None else self.turn_states.index_select(0, idx)
+        return TokenBatch(**sub, group_ids=gi, returns=self.returns.index_select(0, idx), turn_rewards=rewards,
+                          turn_states=states)
 
 
 _ROW_FIELDS = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "rewards", "turn_ids", "turn_ends")

@@ -19,7 +19,9 @@ Rewards (SPEC §4), on the [B, T] ``rewards`` tensor:
   end, so every row's rewards always sum to ``total_return``.
 
 Turn boundaries are data: ``turn_ids`` (index into ``Trajectory.turns``, -1 on padding) and
-``turn_ends`` (True on each turn's last generated token).
+``turn_ends`` (True on each turn's last generated token). Per turn (GiGPO's input, [B, K] with K the most
+turns of a trajectory): ``turn_rewards`` (reward + penalty) and ``turn_states`` (``Turn.state_key`` as an
+id, :func:`turn_state_ids`).
 
 Context guard: ``max_length`` caps a row; the oldest turns go first (``context.py``), starting
 from the turns the rollout already dropped (``Trajectory.dropped_turns``). A row that does not fit
@@ -30,6 +32,7 @@ Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_batc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -45,7 +48,7 @@ if TYPE_CHECKING:
 
     from ragen_core.config import RolloutConfig
 
-__all__ = ["build_token_batch", "mask_problems", "trajectory_row"]
+__all__ = ["build_token_batch", "mask_problems", "trajectory_row", "turn_state_ids"]
 
 
 def trajectory_row(traj: Trajectory, renderer: ChatRenderer, window_turns: int | None = None,
@@ -108,6 +111,26 @@ def _rewards(row: RenderedSequence, traj: Trajectory, placement: str) -> list[fl
     return out
 
 
+def turn_state_ids(trajectories: Sequence[Trajectory]) -> list[list[int]]:
+    """Each turn's ``state_key`` as an int, per trajectory: equal ids exactly for equal keys. A turn without a key
+    ('') gets an id of its own, so an unknown state never joins a step group."""
+    ids: dict[str, int] = {}
+    fresh = itertools.count()  # every id is drawn once, so an unknown turn's id is nobody else's
+    return [[ids.setdefault(turn.state_key, next(fresh)) if turn.state_key else next(fresh) for turn in t.turns]
+            for t in trajectories]
+
+
+def _per_turn(trajectories: Sequence[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(turn_rewards [B, K] float, turn_states [B, K] long) of the module docstring."""
+    k_max = max(len(t.turns) for t in trajectories)
+    rewards = torch.zeros((len(trajectories), k_max), dtype=torch.float32)
+    states = torch.full((len(trajectories), k_max), -1, dtype=torch.long)
+    for b, (t, ids) in enumerate(zip(trajectories, turn_state_ids(trajectories), strict=True)):
+        rewards[b, : len(ids)] = torch.tensor([x.reward + x.penalty for x in t.turns], dtype=torch.float32)
+        states[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return rewards, states
+
+
 def build_token_batch(
     trajectories: Sequence[Trajectory],
     tokenizer: PreTrainedTokenizerBase,
@@ -157,12 +180,13 @@ def build_token_batch(
         rewards[b, :n] = torch.tensor(_rewards(row, traj, placement), dtype=torch.float32)
         turn_ids[b, :n] = torch.tensor(row.turn_ids, dtype=torch.long)
         turn_ends[b, :n] = torch.tensor(row.turn_ends, dtype=torch.bool)
+    turn_rewards, turn_states = _per_turn(trajectories)
     return TokenBatch(
         input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, old_logprobs=old_logprobs,
         rewards=rewards, turn_ids=turn_ids, turn_ends=turn_ends,
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
         returns=torch.tensor([t.total_return for t in trajectories], dtype=torch.float32),
-        old_values=_sampled_values(rows, trajectories, loss_mask),
+        old_values=_sampled_values(rows, trajectories, loss_mask), turn_rewards=turn_rewards, turn_states=turn_states,
     )
 
 
