@@ -202,12 +202,19 @@ class RolloutConfig:
 class AlgorithmConfig:
     """Advantage estimator, losses, KL and the StarPO-S filter (SPEC §4)."""
 
-    estimator: Literal["gae", "grpo", "bilevel_gae"] = F("gae", "advantage estimator")
+    estimator: Literal["gae", "grpo", "bilevel_gae", "gigpo"] = F(
+        "gae", "advantage estimator (gigpo: GRPO's episode advantage plus a step advantage over turns that acted on "
+               "the same state)")
     gamma: float = F(1.0, "token-level discount (reference 1.0)", ge=0.0, le=1.0)
     lam: float = F(1.0, "token-level GAE lambda (reference 1.0)", ge=0.0, le=1.0)
     turn_gamma: float = F(0.95, "turn-level discount of the bi-level GAE (reference 0.95)", ge=0.0, le=1.0)
     turn_lam: float | None = F(None, "turn-level lambda of the bi-level GAE; None reuses lam (the reference's)",
                                ge=0.0, le=1.0)
+    gigpo_omega: float = F(1.0, "gigpo: weight of the step advantage added to the episode advantage", ge=0.0)
+    gigpo_gamma: float = F(0.95, "gigpo: discount of the turn rewards in each turn's return-to-go", ge=0.0, le=1.0)
+    gigpo_step_norm: Literal["std", "mean"] = F(
+        "std", "gigpo: a turn's return-to-go minus its step group's mean, divided by the group's std (std) or not "
+               "(mean)")
     whiten_advantages: bool = F(True, "whiten advantages over the loss mask (PPO)")
     clip_low: float = F(0.2, "epsilon_low of ratio clipping", gt=0.0, lt=1.0)
     clip_high: float = F(0.2, "epsilon_high of ratio clipping (0.28 = clip-higher)", gt=0.0)
@@ -223,7 +230,8 @@ class AlgorithmConfig:
     value_coef: float = F(0.5, "weight of the value loss when the critic is a head on the actor (one shared backward)",
                           ge=0.0)
     critic: Literal["separate", "head", "none"] = F(
-        "separate", "critic: a separate model, a value head on the actor, or none (GRPO)")
+        "separate", "critic: a separate model, a value head on the actor, or none (grpo, gigpo: a critic beside them "
+                    "only learns returns, as a diagnostic)")
     filter_strategy: Literal["none", "top_k", "top_k_abs", "top_p", "min_p"] = F(
         "none", "which prompt groups to train on (algos.filtering.select_groups): none (all), top_k (a fraction "
                 "of P: StarPO-S 0.25), top_k_abs (a count), top_p (RAGEN-2's nucleus), min_p")
@@ -433,8 +441,8 @@ class ExperimentConfig:
         if a.filter_strategy == "top_k" and a.filter_value > 1.0:
             raise ConfigError(f"algorithm.filter_value: {a.filter_value} is out of range for top_k (a fraction); "
                               "must be <= 1.0 (use top_k_abs for a count)")
-        if a.estimator == "grpo" and r.responses_per_prompt < 2:
-            raise ConfigError("algorithm.estimator: grpo normalises within a group; "
+        if a.estimator in ("grpo", "gigpo") and r.responses_per_prompt < 2:
+            raise ConfigError(f"algorithm.estimator: {a.estimator} normalises within a group; "
                               "rollout.responses_per_prompt must be >= 2")
         if a.estimator in ("gae", "bilevel_gae") and a.critic == "none":
             raise ConfigError(f"algorithm.critic: estimator {a.estimator!r} needs a critic; use 'separate' or 'head'")
@@ -472,9 +480,9 @@ class ExperimentConfig:
 
     @property
     def algo_tag(self) -> str:
-        """starpo | starpo-s | grpo, for tracking tags (derived, so a custom config is named by what it does)."""
-        if self.algorithm.estimator == "grpo":
-            return "grpo"
+        """starpo | starpo-s | grpo | gigpo, for tracking tags (derived: a custom config is named by what it does)."""
+        if self.algorithm.estimator in ("grpo", "gigpo"):
+            return self.algorithm.estimator
         starpo_s = self.algorithm.filters and self.algorithm.kl_coef == 0.0
         return "starpo-s" if starpo_s else "starpo"
 

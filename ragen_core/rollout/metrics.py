@@ -12,7 +12,8 @@ return, unbiased as in the StarPO-S filter, averaged over groups of 2 or more),
 ``rollout/format_ok_ratio`` (turns whose reply parsed with only valid actions),
 ``rollout/truncated_ratio``, ``rollout/dropped_turns_mean`` (context guard),
 ``response/length_mean`` and ``response/think_length_mean`` (tokens per reply),
-``response/clip_ratio`` (replies cut at max_new_tokens).
+``response/clip_ratio`` (replies cut at max_new_tokens). Under GiGPO the session adds
+``rollout/step_group_share`` (:func:`step_group_share`).
 
 Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_metrics.py -q``.
 """
@@ -20,12 +21,13 @@ Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_metr
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+from ragen_core.rollout.batch import turn_state_ids
 from ragen_core.types import Trajectory
 
-__all__ = ["group_reward_std", "pass_at_n", "rollout_metrics"]
+__all__ = ["group_reward_std", "pass_at_n", "rollout_metrics", "step_group_share"]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -49,6 +51,15 @@ def group_reward_std(trajectories: Sequence[Trajectory]) -> float:
     """Mean over groups of the unbiased std of ``env_return`` (groups of one are skipped)."""
     stds = [statistics.stdev([t.env_return for t in g]) for g in _by_group(trajectories).values() if len(g) > 1]
     return _mean(stds)
+
+
+def step_group_share(trajectories: Sequence[Trajectory]) -> float:
+    """Share of turns whose GiGPO step group has 2 or more turns: how often a prompt group's turns met again in one
+    state (``advantages.step_groups``: same group id, same ``Turn.state_key``; a turn without a key is alone)."""
+    ids = turn_state_ids(trajectories)
+    sizes = Counter((t.group_id, i) for t, row in zip(trajectories, ids, strict=True) for i in row)
+    n_turns = sum(sizes.values())
+    return sum(n for n in sizes.values() if n >= 2) / n_turns if n_turns else 0.0
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

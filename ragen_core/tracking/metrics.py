@@ -43,6 +43,8 @@ METRICS: dict[str, str] = {
     "rollout/turns_per_episode": "mean turns per episode",
     "rollout/truncated_ratio": "share of episodes cut by the turn or action budget",
     "rollout/dropped_turns_mean": "mean turns dropped from the prompt to fit the context (the context guard)",
+    "rollout/step_group_share": "gigpo: share of turns whose step group (same prompt group, same state) has 2 or more "
+                                "turns; only these get a step advantage",
     "rollout/logprob_gap_mean": "mean |trainer - rollout| log-prob over the generated tokens (engine mismatch)",
     "rollout/logprob_gap_max": "largest |trainer - rollout| log-prob over the generated tokens",
     # response/: reply lengths

@@ -52,7 +52,7 @@ __all__ = [
     "trajectories_text",
 ]
 
-ALGOS = ("starpo", "starpo-s", "grpo")
+ALGOS = ("starpo", "starpo-s", "grpo", "gigpo")
 MAX_PARAM_LENGTH = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH: longer values are refused
 MAX_TAG_LENGTH = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 REPLIES_TABLE = "replies.json"

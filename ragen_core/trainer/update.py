@@ -9,7 +9,7 @@ Steps (the math is ``ragen_core.algos``; this module only orchestrates):
    reference log-probs. The rollout's sampling log-probs are the old log-probs.
 2. Token rewards (+ the KL penalty when ``kl_in_reward``), then advantages
    from the estimator picked in :data:`ESTIMATORS`, whitened over the loss mask
-   for the GAE estimators (GRPO is already normalised within groups).
+   for the GAE estimators (GRPO and GiGPO are already normalised within groups).
 3. PPO mini-batches (SPEC §4): the rows, in batch order, are cut into mini-batches
    of ``trainer.mini_batch_rows`` trajectories (the reference's 32), each one
    optimizer step, the whole pass repeated ``ppo_epochs`` times: vanilla StarPO
@@ -101,17 +101,40 @@ def _grpo(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
     return advantages, returns
 
 
+def _gigpo(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
+           algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if batch.turn_rewards is None or batch.turn_states is None:
+        raise ValueError("the gigpo estimator needs each turn's reward and state key: TokenBatch.turn_rewards and "
+                         "turn_states, as rollout.batch.build_token_batch fills them")
+    # What the update added to the rollout's rewards (a KL in the reward) counts in the return of the turn it sits in,
+    # so each row's turn rewards still sum to the return grpo normalises.
+    added = torch.where(batch.loss_mask, rewards - batch.rewards, 0.0)  # [B, T]
+    traj_returns = batch.returns + (rewards - batch.rewards).sum(dim=1)  # [B], exactly _grpo's
+    k = batch.turn_rewards.shape[1]
+    turn_of = batch.turn_ids.clamp(0, k - 1)  # [B, T]; padding (-1) and env text are outside the loss mask
+    step_rewards = batch.turn_rewards.to(added.dtype).scatter_add(1, turn_of, added)  # [B, K]
+    lengths = (batch.turn_states >= 0).sum(dim=1).tolist()  # [B] turns per trajectory
+    turn_adv = adv_fns.gigpo(
+        traj_returns, [step_rewards[b, :n] for b, n in enumerate(lengths)],
+        [batch.turn_states[b, :n].tolist() for b, n in enumerate(lengths)], batch.group_ids,
+        gamma=algo.gigpo_gamma, omega=algo.gigpo_omega, step_norm=algo.gigpo_step_norm)  # [B, K'], K' <= K
+    turn_adv = torch.nn.functional.pad(turn_adv, (0, k - turn_adv.shape[1]))  # [B, K]
+    advantages = turn_adv.gather(1, turn_of) * batch.loss_mask  # [B, T]: each reply token gets its turn's value
+    returns = None if values is None else adv_fns.gae(rewards, values, batch.loss_mask, algo.gamma, 1.0)[1]
+    return advantages, returns
+
+
 def _need(values: torch.Tensor | None) -> torch.Tensor:
     if values is None:
         raise ValueError("the gae estimators need a critic; set algorithm.critic to 'separate' or 'head'")
     return values
 
 
-ESTIMATORS: dict[str, Estimator] = {"gae": _gae, "bilevel_gae": _bilevel_gae, "grpo": _grpo}
+ESTIMATORS: dict[str, Estimator] = {"gae": _gae, "bilevel_gae": _bilevel_gae, "grpo": _grpo, "gigpo": _gigpo}
 """algorithm.estimator -> (batch, token rewards, old values or None, algo) -> (advantages [B, T], returns [B, T] or
 None)."""
 
-_WHITENED = {"gae", "bilevel_gae"}  # GRPO advantages are already group-normalised (SPEC §4)
+_WHITENED = {"gae", "bilevel_gae"}  # GRPO and GiGPO advantages are already group-normalised (SPEC §4)
 
 
 def compute_advantages(

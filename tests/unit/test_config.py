@@ -99,7 +99,7 @@ def test_derived_values_are_properties(tmp_path) -> None:
     ("trainer: {iterations: 2.5}\n", "trainer.iterations: expected an integer"),
     ("rollout: {think: 1}\n", "rollout.think: expected true or false"),
     ("algorithm: {estimator: ppo}\n",
-     "algorithm.estimator: 'ppo' is not allowed; choose one of ['gae', 'grpo', 'bilevel_gae']"),
+     "algorithm.estimator: 'ppo' is not allowed; choose one of ['gae', 'grpo', 'bilevel_gae', 'gigpo']"),
     ("rollout: {responses_per_prompt: -4}\n", "rollout.responses_per_prompt: -4 is out of range; must be >= 1"),
     ("algorithm: {filter_strategy: top_k, filter_value: 1.5}\n",
      "algorithm.filter_value: 1.5 is out of range for top_k (a fraction); must be <= 1.0"),
