@@ -177,6 +177,10 @@ class RolloutConfig:
         "shared", "shared: the N members of a group reset with the same seed and share the env's random draws "
                   "(bandit payouts, ice slips), as the reference; independent: each member draws its own")
     window_turns: int | None = F(None, "keep only the last k turns in the prompt; None keeps all", ge=1)
+    context_window: Literal["full"] | int = F(
+        "full", "full: one training row per trajectory (all its replies trained); K: one row per turn, its prompt "
+                "the system/instruction and the last K turns counting its own (K=1: no history), the loss on that "
+                "turn's reply, and generation sees the same K turns (RAGEN-2's limited_multi_turn)", ge=1)
     max_context_tokens: int | None = F(None, "context cap for rollouts; None uses the model's limit", ge=16)
     backend: Literal["hf", "vllm"] = F("hf", "generation backend")
     cache_reuse: bool = F(True, "hf backend: keep each episode's KV cache across turns")
@@ -196,6 +200,21 @@ class RolloutConfig:
         "You're a helpful assistant. You always respond by giving your reasoning and then your answer.",
         "system message of every dialogue",
     )
+
+    def __post_init__(self) -> None:
+        if self.per_turn_rows and self.window_turns is not None:
+            raise ConfigError(f"window_turns: context_window={self.context_window} already sets the generation "
+                              "window (the last K turns); leave window_turns unset")
+
+    @property
+    def per_turn_rows(self) -> bool:
+        """Whether each turn is its own training row (``context_window`` K) rather than each trajectory."""
+        return self.context_window != "full"
+
+    @property
+    def generation_window(self) -> int | None:
+        """The turns a generation prompt keeps (its own included): ``context_window`` K, else ``window_turns``."""
+        return self.context_window if isinstance(self.context_window, int) else self.window_turns
 
 
 @dataclass(frozen=True)
@@ -446,6 +465,7 @@ class ExperimentConfig:
                               "rollout.responses_per_prompt must be >= 2")
         if a.estimator in ("gae", "bilevel_gae") and a.critic == "none":
             raise ConfigError(f"algorithm.critic: estimator {a.estimator!r} needs a critic; use 'separate' or 'head'")
+        self._check_per_turn_rows()
         if r.max_actions_per_turn > r.max_actions_per_episode:
             raise ConfigError(
                 f"rollout.max_actions_per_turn ({r.max_actions_per_turn}) exceeds "
@@ -465,6 +485,17 @@ class ExperimentConfig:
             raise ConfigError(f"trainer.deepspeed: {', '.join(owned)} come from ragen's own settings "
                               "(micro_batch_size, grad_clip, zero_stage; AdamW in fp32); "
                               "remove them from trainer.deepspeed")
+
+    def _check_per_turn_rows(self) -> None:
+        """Per-turn rows carry their trajectory's return on their reply's last token (RAGEN-2's); the turn-level
+        estimators and per-turn rewards need the whole trajectory in one row."""
+        a = self.algorithm
+        if self.rollout.per_turn_rows and (a.estimator in ("bilevel_gae", "gigpo") or self.reward_placement == "turn"):
+            raise ConfigError(
+                f"rollout.context_window: per-turn rows ({self.rollout.context_window}) give each turn its "
+                f"trajectory's return; estimator {a.estimator!r} with reward placement {self.reward_placement!r} "
+                "needs the whole trajectory in one row: use estimator gae or grpo with reward_placement last, or "
+                "context_window full")
 
     @property
     def warmup_rollout_config(self) -> RolloutConfig:
@@ -917,6 +948,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return _coerce(inner[0], value, path)
+        return _coerce_either(inner, value, path)
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{path}: {_show(value)} is not allowed; choose one of {list(args)}")
@@ -930,6 +962,25 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected a mapping, got {_tname(value)}")
         return dict(value)
     return _coerce_scalar(tp, value, path)
+
+
+def _coerce_either(members: list[Any], value: Any, path: str) -> Any:
+    """``value`` as the first of a union's ``members`` that takes it (``"full" | int``), else one error naming them
+    all."""
+    for member in members:
+        try:
+            return _coerce(member, value, path)
+        except ConfigError:
+            continue
+    allowed = " or ".join(_describe(m) for m in members)
+    raise ConfigError(f"{path}: {_show(value)} is not allowed; expected {allowed}")
+
+
+def _describe(tp: Any) -> str:
+    """A union member as an error message names it: a literal's values, else the type's name."""
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
 def _coerce_tuple(args: tuple[Any, ...], value: Any, path: str) -> tuple[Any, ...]:

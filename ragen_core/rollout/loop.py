@@ -228,7 +228,7 @@ def _next_context(ep: _Episode, renderer: ChatRenderer, cfg: RolloutConfig,
     ctx = render_dialogue(
         renderer, ep.prompts + [prompt], [t.response_ids for t in ep.turns], [t.logprobs for t in ep.turns],
         block=ep.block, user_texts=ep.user_texts + [text], budget=budget,
-        window_turns=cfg.window_turns, min_start=ep.start, heads=ep.heads,
+        window_turns=cfg.generation_window, min_start=ep.start, heads=ep.heads,
     )
     if ctx is None:
         if j == 0:

@@ -301,9 +301,10 @@ def warmup_key(cfg: ExperimentConfig, base_fingerprint: str) -> str:
         "base": cfg.model.name,
         "base_fingerprint": base_fingerprint,
         "env": {"name": cfg.env.name, "params": cfg.env.params},
-        "rollout": {k: getattr(r, k) for k in ("think", "prefill", "max_turns", "max_actions_per_turn",
-                                               "max_actions_per_episode", "max_new_tokens", "system_prompt",
-                                               "window_turns", "max_context_tokens")},
+        "rollout": {**{k: getattr(r, k) for k in ("think", "prefill", "max_turns", "max_actions_per_turn",
+                                                  "max_actions_per_episode", "max_new_tokens", "system_prompt",
+                                                  "max_context_tokens")},
+                    "window_turns": r.generation_window},  # the window its rollouts saw, by either key
         "max_length": cfg.model.max_length,
         "steps": cfg.model.warmup_steps,
         "lr": cfg.model.warmup_lr,

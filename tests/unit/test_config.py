@@ -296,3 +296,29 @@ def test_the_paper_scale_qwen_files_hold_the_papers_settings() -> None:
     study = plan_sweep(root / "studies" / "echo-trap-qwen.yaml")
     assert study.target == 18 and study.sweep.dispatch == "deployment"
     assert plan_sweep(root / "sweeps" / "table2-qwen.yaml").target == 6
+
+
+def test_context_window_is_full_or_a_turn_count() -> None:
+    smoke = ROOT / "experiments" / "smoke.yaml"
+    default = load_experiment(smoke).rollout
+    assert default.context_window == "full" and not default.per_turn_rows and default.generation_window is None
+    two = load_experiment(smoke, ["rollout.context_window=2"]).rollout
+    assert two.context_window == 2 and two.per_turn_rows and two.generation_window == 2
+    windowed = load_experiment(smoke, ["rollout.window_turns=3"]).rollout
+    assert not windowed.per_turn_rows and windowed.generation_window == 3
+    for bad, message in (("0", "out of range; must be >= 1"), ("fulll", "expected 'full' or an integer"),
+                         ("true", "expected 'full' or an integer"), ("1.5", "expected 'full' or an integer")):
+        with pytest.raises(ConfigError, match=rf"^rollout\.context_window: .*{message}"):
+            load_experiment(smoke, [f"rollout.context_window={bad}"])
+
+
+def test_context_window_refuses_a_second_window_and_turn_level_estimators() -> None:
+    smoke = ROOT / "experiments" / "smoke.yaml"
+    with pytest.raises(ConfigError, match=r"^rollout\.window_turns: context_window=2 already sets"):
+        load_experiment(smoke, ["rollout.context_window=2", "rollout.window_turns=2"])
+    for extra in (["algorithm.estimator=gigpo", "algorithm.critic=none"], ["algorithm.estimator=bilevel_gae"],
+                  ["rollout.reward_placement=turn"]):
+        with pytest.raises(ConfigError, match=r"^rollout\.context_window: per-turn rows"):
+            load_experiment(smoke, ["rollout.context_window=1", *extra])
+    grpo = load_experiment(smoke, ["rollout.context_window=1", "algorithm.estimator=grpo", "algorithm.critic=none"])
+    assert grpo.rollout.per_turn_rows
