@@ -131,7 +131,8 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Trainer input: one right-padded row per trajectory; all [B, T] tensors aligned to input_ids."""
+    """Trainer input: one right-padded row per trajectory (or per turn, ``episode_ids``); [B, T] tensors aligned to
+    input_ids."""
 
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] bool, False on padding
@@ -146,6 +147,9 @@ class TokenBatch:
     # Per turn of the trajectory (K = the most turns of a row, Trajectory.turns order, also turns the row dropped):
     turn_rewards: torch.Tensor | None = None  # [B, K] float, each turn's reward + penalty, 0 past the last turn
     turn_states: torch.Tensor | None = None  # [B, K] long, each turn's state key as an id (same key, same id), -1 after
+    # Per-turn rows (rollout.context_window K): each row is one turn of a trajectory; rows sharing an id are one
+    # trajectory's turns (GRPO's group statistics count it once). None: each row is a whole trajectory.
+    episode_ids: torch.Tensor | None = None  # [B] long
 
     @property
     def batch_size(self) -> int:
@@ -167,8 +171,9 @@ class TokenBatch:
         # per-turn tensors [b, K] are indexed by turn, not cut like the token columns
         rewards = None if self.turn_rewards is None else self.turn_rewards.index_select(0, idx)
         states = None if self.turn_states is None else self.turn_states.index_select(0, idx)
+        episodes = None if self.episode_ids is None else self.episode_ids.index_select(0, idx)
         return TokenBatch(**sub, group_ids=gi, returns=self.returns.index_select(0, idx), turn_rewards=rewards,
-                          turn_states=states)
+                          turn_states=states, episode_ids=episodes)
 
 
 _ROW_FIELDS = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "rewards", "turn_ids", "turn_ends")
@@ -208,7 +213,8 @@ class Selection:
 
     batch: TokenBatch
     """The kept trajectories' training rows: B = kept rows (0 when no group was kept), group by group in
-    ascending group id, rollout order within a group (``trainer.filter.FilterResult.batch``)."""
+    ascending group id, rollout order within a group (``trainer.filter.FilterResult.batch``); under
+    ``rollout.context_window`` K, one row per turn with a reply of those trajectories, in that order."""
     kept: list[bool]
     """[len(trajectories)] one flag per trajectory of the RolloutBatch: True when its row is in ``batch``."""
     metrics: dict[str, float]

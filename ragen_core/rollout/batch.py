@@ -23,6 +23,15 @@ Turn boundaries are data: ``turn_ids`` (index into ``Trajectory.turns``, -1 on p
 turns of a trajectory): ``turn_rewards`` (reward + penalty) and ``turn_states`` (``Turn.state_key`` as an
 id, :func:`turn_state_ids`).
 
+Per-turn rows (``rollout.context_window`` K, RAGEN-2's ``limited_multi_turn``; :func:`build_turn_batch`): each
+turn with a reply is a row of its own, the context the model generated it from plus that reply: the system
+message and instruction block (re-rendered in front of the first kept turn when older turns are dropped), the
+previous turns of its window of K (their prompts and replies, K counting its own turn) and its own prompt. Only its
+reply is under the loss mask (with its sampled ``old_logprobs``); its ``rewards`` hold the trajectory's
+``total_return`` on the reply's last token (every row of a trajectory the same, as the reference gives them), and
+``episode_ids`` says which trajectory a row came from. A row keeps its trajectory's ``group_id`` and ``returns``;
+``old_values`` and the per-turn tensors are left out (the update computes values per row).
+
 Context guard: ``max_length`` caps a row; the oldest turns go first (``context.py``), starting
 from the turns the rollout already dropped (``Trajectory.dropped_turns``). A row that does not fit
 even with only its last turn is cut from the left (mask alignment kept); nothing raises.
@@ -33,7 +42,7 @@ Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_batc
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +57,7 @@ if TYPE_CHECKING:
 
     from ragen_core.config import RolloutConfig
 
-__all__ = ["build_token_batch", "mask_problems", "trajectory_row", "turn_state_ids"]
+__all__ = ["build_token_batch", "build_turn_batch", "mask_problems", "trajectory_row", "turn_row", "turn_state_ids"]
 
 
 def trajectory_row(traj: Trajectory, renderer: ChatRenderer, window_turns: int | None = None,
@@ -56,15 +65,34 @@ def trajectory_row(traj: Trajectory, renderer: ChatRenderer, window_turns: int |
     """The guarded training row of one trajectory (spans with their generated/prompt roles)."""
     if not traj.turns:
         raise ValueError(f"trajectory (env {traj.env_tag}, seed {traj.seed}) has no turns; nothing to train on")
-    prompts = [t.prompt_ids for t in traj.turns]
-    responses = [t.response_ids for t in traj.turns]
-    logprobs = [t.logprobs for t in traj.turns]
+    return _dialogue_row(traj, len(traj.turns), renderer, window_turns, max_length, traj.dropped_turns)
+
+
+def turn_row(traj: Trajectory, turn: int, renderer: ChatRenderer, window_turns: int,
+             max_length: int | None = None) -> RenderedSequence:
+    """Turn ``turn``'s own training row (module docstring, "Per-turn rows"): its guarded context (at most
+    ``window_turns`` turns, its own included) and its reply, the only generated span."""
+    # Trajectory.dropped_turns is where the LAST context started; an earlier turn's context started at or before
+    # it, so its row starts where the window and the budget put it (exact unless the rollout overflowed its budget).
+    row = _dialogue_row(traj, turn + 1, renderer, window_turns, max_length, 0)
+    spans = tuple(s if s.turn == turn or not s.generated else Span(s.ids, False, s.turn) for s in row.spans)
+    return RenderedSequence(spans=spans, start_turn=row.start_turn)
+
+
+def _dialogue_row(traj: Trajectory, n: int, renderer: ChatRenderer, window_turns: int | None,
+                  max_length: int | None, min_start: int) -> RenderedSequence:
+    """The guarded row of the first ``n`` turns of ``traj`` starting no earlier than ``min_start``, every reply
+    generated."""
+    turns = traj.turns[:n]
+    prompts = [t.prompt_ids for t in turns]
+    responses = [t.response_ids for t in turns]
+    logprobs = [t.logprobs for t in turns]
     texts = traj.meta.get("user_texts")
-    texts = list(texts) if texts is not None and len(texts) == len(prompts) else None
+    texts = list(texts)[:n] if texts is not None and len(texts) == len(traj.turns) else None
     block = traj.meta.get("instruction")
-    last = len(prompts) - 1
+    last = n - 1
     row = render_dialogue(renderer, prompts, responses, logprobs, block=block, user_texts=texts,
-                          budget=max_length, window_turns=window_turns, min_start=min(traj.dropped_turns, last))
+                          budget=max_length, window_turns=window_turns, min_start=min(min_start, last))
     if row is not None:
         return row
     # Not even the last turn fits: keep its last max_length tokens (never a crash; SPEC §3).
@@ -149,6 +177,50 @@ def build_token_batch(
     placement = "last" if placement == "auto" else placement
     if not trajectories:
         raise ValueError("build_token_batch needs at least one trajectory")
+    renderer_for = _renderers(tokenizer, rollout_cfg, renderer)
+    rows = [trajectory_row(t, renderer_for(t), rollout_cfg.window_turns, max_length) for t in trajectories]
+    columns = _columns(rows, trajectories, tokenizer, placement)
+    turn_rewards, turn_states = _per_turn(trajectories)
+    return TokenBatch(
+        **columns, group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        returns=torch.tensor([t.total_return for t in trajectories], dtype=torch.float32),
+        old_values=_sampled_values(rows, trajectories, columns["loss_mask"]), turn_rewards=turn_rewards,
+        turn_states=turn_states,
+    )
+
+
+def build_turn_batch(
+    trajectories: Sequence[Trajectory],
+    tokenizer: PreTrainedTokenizerBase,
+    rollout_cfg: RolloutConfig,
+    max_length: int | None = None,
+    *,
+    renderer: ChatRenderer | None = None,
+) -> TokenBatch:
+    """One row per turn with a reply (``rollout_cfg.context_window`` K turns of context; module docstring,
+    "Per-turn rows"), right-padded to the longest row, trajectory by trajectory in turn order."""
+    window = rollout_cfg.context_window
+    if not isinstance(window, int):
+        raise ValueError(f"build_turn_batch needs rollout.context_window K (an integer), got {window!r}")
+    if not trajectories:
+        raise ValueError("build_turn_batch needs at least one trajectory")
+    renderer_for = _renderers(tokenizer, rollout_cfg, renderer)
+    picked = [(e, t) for e, traj in enumerate(trajectories) for t, turn in enumerate(traj.turns) if turn.response_ids]
+    if not picked:
+        raise ValueError("build_turn_batch: no turn of these trajectories has a reply; nothing to train on")
+    rows = [turn_row(trajectories[e], t, renderer_for(trajectories[e]), window, max_length) for e, t in picked]
+    owners = [trajectories[e] for e, _ in picked]
+    return TokenBatch(
+        **_columns(rows, owners, tokenizer, "last"),
+        group_ids=torch.tensor([t.group_id for t in owners], dtype=torch.long),
+        returns=torch.tensor([t.total_return for t in owners], dtype=torch.float32),
+        episode_ids=torch.tensor([e for e, _ in picked], dtype=torch.long),
+    )
+
+
+def _renderers(tokenizer: PreTrainedTokenizerBase, rollout_cfg: RolloutConfig,
+               renderer: ChatRenderer | None) -> Callable[[Trajectory], ChatRenderer]:
+    """Trajectory -> the renderer of the system prompt and prefill its rollout used (one per pair, made once)."""
     first = renderer or make_renderer(tokenizer, rollout_cfg)
     renderers = {(first.system_prompt, first.prefill): first}
 
@@ -160,7 +232,12 @@ def build_token_batch(
             renderers[key] = make_renderer(tokenizer, rollout_cfg, *key)
         return renderers[key]
 
-    rows = [trajectory_row(t, renderer_for(t), rollout_cfg.window_turns, max_length) for t in trajectories]
+    return renderer_for
+
+
+def _columns(rows: Sequence[RenderedSequence], trajectories: Sequence[Trajectory],
+             tokenizer: PreTrainedTokenizerBase, placement: str) -> dict[str, torch.Tensor]:
+    """The [B, T] token columns of ``rows`` (row b from ``trajectories[b]``), right-padded to the longest."""
     width = max(len(r) for r in rows)
     pad = _pad_id(tokenizer)
     B = len(rows)
@@ -180,14 +257,8 @@ def build_token_batch(
         rewards[b, :n] = torch.tensor(_rewards(row, traj, placement), dtype=torch.float32)
         turn_ids[b, :n] = torch.tensor(row.turn_ids, dtype=torch.long)
         turn_ends[b, :n] = torch.tensor(row.turn_ends, dtype=torch.bool)
-    turn_rewards, turn_states = _per_turn(trajectories)
-    return TokenBatch(
-        input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, old_logprobs=old_logprobs,
-        rewards=rewards, turn_ids=turn_ids, turn_ends=turn_ends,
-        group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
-        returns=torch.tensor([t.total_return for t in trajectories], dtype=torch.float32),
-        old_values=_sampled_values(rows, trajectories, loss_mask), turn_rewards=turn_rewards, turn_states=turn_states,
-    )
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "old_logprobs": old_logprobs, "rewards": rewards, "turn_ids": turn_ids, "turn_ends": turn_ends}
 
 
 def _sampled_values(rows: Sequence[RenderedSequence], trajectories: Sequence[Trajectory],
