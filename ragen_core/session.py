@@ -50,7 +50,7 @@ from ragen_core import distributed
 from ragen_core.algos.collapse import MI_ZSCORE_EPS
 from ragen_core.config import ConfigError, ExperimentConfig, load_experiment, to_dict
 from ragen_core.models import causal_lm, load_model, load_tokenizer, resolve_model
-from ragen_core.rollout.batch import build_token_batch
+from ragen_core.rollout.batch import build_token_batch, build_turn_batch
 from ragen_core.rollout.engine_settings import generator_kwargs
 from ragen_core.rollout.evaluate import evaluate, heldout_seeds
 from ragen_core.rollout.generators import Generator, make_generator
@@ -339,6 +339,9 @@ def train_seeds(counter: int, n: int) -> list[int]:
 def tokenize_and_filter(sess: Session, rollouts: RolloutBatch) -> Selection:
     """The rollouts as training rows (a TokenBatch), then the StarPO-S filter over whole prompt groups (SPEC §4).
 
+    The filter ranks groups of whole-trajectory rows; under ``rollout.context_window`` K the kept trajectories are
+    then laid out one row per turn (``build_turn_batch``), which the update trains on.
+
     'none' keeps all groups. (Not ``algos.filtering.select_groups``, which picks group indices from scores.)
     """
     trajs = rollouts.trajectories
@@ -353,7 +356,11 @@ def tokenize_and_filter(sess: Session, rollouts: RolloutBatch) -> Selection:
     metrics = dict(result.metrics)
     if grad_buckets_due(sess):  # on every group, the dropped ones included, before the update moves the weights
         metrics.update(grad_buckets(sess.state, full, sess.cfg))
-    return Selection(result.batch, kept, metrics, think, result.advantage_scale)
+    batch = result.batch
+    if sess.cfg.rollout.per_turn_rows and rows:  # the filter ranks whole trajectories; the update trains on turns
+        batch = build_turn_batch([trajs[r] for r in rows], sess.tokenizer, sess.cfg.rollout, sess.model_max_length)
+        think = [float(turn.think_tokens) for r in rows for turn in trajs[r].turns if turn.response_ids]  # its rows
+    return Selection(batch, kept, metrics, think, result.advantage_scale)
 
 
 def grad_buckets_due(sess: Session) -> bool:

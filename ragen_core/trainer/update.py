@@ -95,14 +95,35 @@ def _grpo(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
           algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     # A trajectory's return is the sum of its token rewards: batch.returns plus any KL placed in the reward.
     traj_returns = batch.returns + (rewards - batch.rewards).sum(dim=1)  # [B]
-    advantages = adv_fns.grpo(traj_returns, batch.group_ids)[:, None] * batch.loss_mask  # [B, T]
+    advantages = _row_grpo(traj_returns, batch)[:, None] * batch.loss_mask  # [B, T]
     # An optional critic next to GRPO learns discounted returns-to-go (a diagnostic; λ = 1 makes them MC returns).
     returns = None if values is None else adv_fns.gae(rewards, values, batch.loss_mask, algo.gamma, 1.0)[1]
     return advantages, returns
 
 
+def _row_grpo(scores: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """GRPO advantage of each row [B] from each row's return ``scores`` [B] (``batch.returns`` plus the KL its tokens
+    added to the reward).
+
+    Rows of per-turn batches (``batch.episode_ids``) are one trajectory's turns: the group statistics count each
+    trajectory once, its return plus the KL of all its rows (what its one row would sum under context_window full),
+    and every row gets its trajectory's advantage, as RAGEN-2 counts each (group, episode) once.
+    """
+    if batch.episode_ids is None:
+        return adv_fns.grpo(scores, batch.group_ids)
+    _, row_of = torch.unique(batch.episode_ids, return_inverse=True)  # [B] -> episode 0..E-1
+    n = int(row_of.max()) + 1 if row_of.numel() else 0
+    ep_return = scores.new_zeros(n).scatter(0, row_of, batch.returns.to(scores.dtype))  # [E], equal on its rows
+    ep_added = scores.new_zeros(n).index_add(0, row_of, scores - batch.returns.to(scores.dtype))  # [E]
+    ep_group = batch.group_ids.new_zeros(n).scatter(0, row_of, batch.group_ids)  # [E]
+    return adv_fns.grpo(ep_return + ep_added, ep_group)[row_of]  # [B]
+
+
 def _gigpo(batch: TokenBatch, rewards: torch.Tensor, values: torch.Tensor | None,
            algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if batch.episode_ids is not None:
+        raise ValueError("the gigpo estimator needs whole trajectories as rows, not per-turn rows "
+                         "(rollout.context_window K)")
     if batch.turn_rewards is None or batch.turn_states is None:
         raise ValueError("the gigpo estimator needs each turn's reward and state key: TokenBatch.turn_rewards and "
                          "turn_states, as rollout.batch.build_token_batch fills them")
