@@ -29,7 +29,7 @@ from pydantic import Field
 
 from ragen_core.envs.base import StepOutcome, TextEnv, checked_params
 
-__all__ = ["DEFAULT_SYMBOLS", "MAX_SIZE", "FrozenLakeEnv", "generate_map"]
+__all__ = ["DEFAULT_SYMBOLS", "MAX_SIZE", "CoordFrozenLakeEnv", "FrozenLakeEnv", "generate_map"]
 
 Pos = tuple[int, int]
 # Index order matters: (a - 1) % 4 and (a + 1) % 4 are the perpendicular moves of a.
@@ -162,4 +162,33 @@ class FrozenLakeEnv(TextEnv):
         return "\n".join(
             "".join(on[ch] if (r, c) == self._pos else plain[ch] for c, ch in enumerate(row))
             for r, row in enumerate(self._map)
+        )
+
+
+class CoordFrozenLakeEnv(FrozenLakeEnv):
+    """FrozenLake observed as RAGEN-2's CoordFrozenLake: the zero-indexed coordinates of the start, the goal, the
+    player and the holes, then the symbol grid. Maps, slips and rewards are FrozenLake's."""
+
+    def render(self) -> str:
+        grid = super().render()
+        if not self._map:
+            return grid
+
+        def cells(letter: str) -> list[Pos]:
+            return [(r, c) for r, row in enumerate(self._map) for c, ch in enumerate(row) if ch == letter]
+
+        tile = self._map[self._pos[0]][self._pos[1]]
+        player = {"G": "Player on goal", "H": "Player in hole"}.get(tile, "Player")
+        entities = (("Start", cells("S")), ("Goal", cells("G")), (player, [self._pos]), ("Holes", cells("H")))
+        lines = [f"Board size: {len(self._map)} rows x {len(self._map[0])} cols (zero-indexed)."]
+        lines += [f"{label}: {', '.join(f'({r}, {c})' for r, c in found)}" for label, found in entities if found]
+        return "Coordinates: \n" + "\n".join(lines) + "\nGrid Map: \n" + grid
+
+    def _instruction(self) -> str:
+        n = len(self._map) if self._map else self.size
+        return (
+            "You are crossing a frozen lake. Walk to the goal without falling into a hole. You are given a symbol "
+            "grid and the zero-indexed coordinates (row, column) of the start, the goal, the player and the holes, "
+            f"from the top-left corner (0, 0) to the bottom-right corner ({n - 1}, {n - 1}). The ice is slippery: "
+            "you may move in a direction perpendicular to the one you chose."
         )

@@ -121,6 +121,13 @@ def _register_builtins() -> None:
     register("FrozenLake", "ragen_core.envs.frozen_lake:FrozenLakeEnv",
              "4x4 slippery FrozenLake, new random map per seed, goal always reachable",
              size=4, p_frozen=0.8, slippery=True)
+    # RAGEN-2's default envs (its config/envs.yaml): the same games observed as coordinates plus the grid.
+    register("CoordSokoban", "ragen_core.envs.sokoban:CoordSokobanEnv",
+             "Sokoban 6x6 with 1 box, observed as zero-indexed coordinates and the grid (RAGEN-2)",
+             height=6, width=6, n_boxes=1, generator="reference", search_depth=300, room_steps=20)
+    register("CoordFrozenLake", "ragen_core.envs.frozen_lake:CoordFrozenLakeEnv",
+             "4x4 slippery FrozenLake observed as zero-indexed coordinates and the grid (RAGEN-2)",
+             size=4, p_frozen=0.8, slippery=True)
     register("WebShop", "ragen_core.envs.webshop.env:WebShopEnv",
              "offline WebShop: search and buy from a generated catalogue (SQLite FTS5 search)")
     register("Countdown", "ragen_core.envs.countdown:CountdownEnv",

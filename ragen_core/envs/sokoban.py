@@ -60,9 +60,22 @@ from pydantic import Field
 from ragen_core.envs.base import StepOutcome, TextEnv, checked_params
 
 __all__ = [
-    "DEFAULT_SYMBOLS", "LEVEL_GENERATORS", "MAX_BOXES", "MAX_MOVES", "MAX_SIDE", "MIN_MOVES_CAP", "NEW_VOCAB_SYMBOLS",
-    "SokobanEnv", "SokobanLevel", "generate_level", "generate_reference_level", "generate_uniform_level",
-    "parse_level", "reference_room_steps", "shortest_solution_length",
+    "DEFAULT_SYMBOLS",
+    "LEVEL_GENERATORS",
+    "MAX_BOXES",
+    "MAX_MOVES",
+    "MAX_SIDE",
+    "MIN_MOVES_CAP",
+    "NEW_VOCAB_SYMBOLS",
+    "CoordSokobanEnv",
+    "SokobanEnv",
+    "SokobanLevel",
+    "generate_level",
+    "generate_reference_level",
+    "generate_uniform_level",
+    "parse_level",
+    "reference_room_steps",
+    "shortest_solution_length",
 ]
 
 Pos = tuple[int, int]
@@ -547,3 +560,35 @@ class SokobanEnv(TextEnv):
                     row.append(target if on_t else empty)
             rows.append("".join(row))
         return "\n".join(rows)
+
+
+def _coords(cells: Sequence[Pos] | frozenset[Pos]) -> str:
+    return ", ".join(f"({r}, {c})" for r, c in sorted(cells))
+
+
+class CoordSokobanEnv(SokobanEnv):
+    """Sokoban observed as RAGEN-2's CoordSokoban: the zero-indexed coordinates of the walls, targets, boxes and
+    the player, then the symbol grid. Levels, actions and rewards are Sokoban's."""
+
+    def render(self) -> str:
+        grid = super().render()
+        if self._level is None:
+            return grid
+        lv = self._level
+        walls = [(r, c) for r in range(lv.height) for c in range(lv.width) if (r, c) not in lv.floor]
+        entities = (("Walls", walls), ("Targets", lv.targets), ("Boxes", self._boxes - lv.targets),
+                    ("Boxes on target", self._boxes & lv.targets),
+                    ("Player", [self._player] if self._player not in lv.targets else []),
+                    ("Player on target", [self._player] if self._player in lv.targets else []))
+        lines = [f"Board size: {lv.height} rows x {lv.width} cols (zero-indexed)."]
+        lines += [f"{label}: {_coords(cells)}" for label, cells in entities if cells]
+        return "Coordinates: \n" + "\n".join(lines) + "\nGrid Map: \n" + grid
+
+    def _instruction(self) -> str:
+        return (
+            "You are solving a Sokoban puzzle. You are the player and must push every box onto a target. "
+            "You are given a symbol grid and the zero-indexed coordinates (row, column) of the walls, the player, "
+            f"each box and each target, from the top-left corner (0, 0) to the bottom-right corner "
+            f"({self.height - 1}, {self.width - 1}). Moving into a box pushes it one cell in the same direction if "
+            "that cell is free. You cannot pull a box, push two boxes at once, or push a box into a wall."
+        )

@@ -18,7 +18,7 @@ from ragen_core.envs import list_envs, make, register, registry
 from ragen_core.envs.play import describe_envs, play
 
 REGISTERED = ["Bandit", "BanditRev", "BanditTest", "Sokoban", "LargerSokoban", "SokobanNewVocab", "FrozenLake",
-              "WebShop", "Countdown"]
+              "CoordSokoban", "CoordFrozenLake", "WebShop", "Countdown"]
 
 
 # ---------------------------------------------------------------- registry
