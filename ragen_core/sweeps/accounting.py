@@ -17,10 +17,11 @@ collapse at all. Here a run's success curve (validation where it has one,
   times its early level (the mean of its first ``baseline`` points): the rise RAGEN-2 reports beside collapse.
 
 A collapse or a dip gets a failure mode from the run's own training metrics at its lowest point (the last logged
-value at or before that step): ``format`` when under half the replies parsed (``rollout/format_ok_ratio``),
-``length cap`` when at least half were cut at max_new_tokens (``response/clip_ratio``), else ``wrong action``:
-the replies parse and choose wrong (on Bandit, the other arm: success there is choosing the higher-expected-value
-arm, so this is the lock onto the safe arm).
+value at or before that step): when under half the replies parsed (``rollout/format_ok_ratio``), ``length cap``
+if at least half were cut at max_new_tokens (``response/clip_ratio``: the cut is why they do not parse), else
+``format``; when they parse, ``wrong action``, however long they are: the replies choose wrong (on Bandit, the
+other arm: success there is choosing the higher-expected-value arm, so this is the lock onto the safe arm).
+Without the format metric, a cap share of at least half gives ``length cap``.
 
 :func:`score` judges each monitor signal per episode: on a collapse, a dip or an eruption ``hit`` (it fired in
 the ``lead`` steps up to the episode's start), ``late`` (it fired during the episode) or ``miss``; on a converged
@@ -86,11 +87,12 @@ def failure_mode(run: RunHistory, step: int) -> str | None:
     cap = _value_at(run.histories.get(MODE_METRICS["length cap"], ()), step)
     if fmt is None and cap is None:
         return None
-    if cap is not None and cap >= 0.5:
-        return "length cap"
-    if fmt is not None and fmt < 0.5:
-        return "format"
-    return "wrong action"
+    capped = cap is not None and cap >= 0.5
+    if fmt is None:
+        return "length cap" if capped else "wrong action"
+    if fmt < 0.5:
+        return "length cap" if capped else "format"
+    return "wrong action"  # the replies parse: cut or not, they chose wrong
 
 
 def _dips(points: list[tuple[int, float]], drop: float, until: int) -> list[tuple[int, int, float, int]]:

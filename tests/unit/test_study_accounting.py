@@ -50,6 +50,11 @@ def test_a_run_that_ends_low_is_a_sustained_collapse_and_the_mode_comes_from_the
     assert failure_mode(run, 19) == "length cap"
     formats = _run([(0, 1.0)], rollout__format_ok_ratio=[(0, 0.2)], response__clip_ratio=[(0, 0.1)])
     assert failure_mode(formats, 0) == "format"
+    # replies at the cap that still parse chose wrong: the answer came before the cut (GRPO's lock onto the
+    # safe arm, its replies padded to the cap after the answer)
+    padded = _run([(0, 1.0)], rollout__format_ok_ratio=[(0, 1.0)], response__clip_ratio=[(0, 1.0)])
+    assert failure_mode(padded, 0) == "wrong action"
+    assert failure_mode(_run([(0, 1.0)], response__clip_ratio=[(0, 0.9)]), 0) == "length cap"  # no format metric
     assert failure_mode(_run([(0, 1.0)]), 0) is None  # no training metrics: no mode
 
 
