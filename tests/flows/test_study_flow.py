@@ -118,10 +118,16 @@ def test_the_repository_study_files_are_valid() -> None:
         assert (ROOT / "studies" / name).read_text().startswith("#"), f"{name} needs a header comment"
         assert plan.sweep.group_by and set(plan.grid["trainer.seed"]) >= {0, 1, 2}  # >= 3 seeds each
         # the presets compared: a grid dimension, or one per base experiment (studies/bases/)
-        presets = set(plan.grid.get("preset", ())) | {load_experiment(p).preset for p in plan.bases.values()}
-        assert {"starpo", "starpo-s"} <= presets
+        if plan.sweep.group_by == "preset":
+            presets = set(plan.grid.get("preset", ())) | {load_experiment(p).preset for p in plan.bases.values()}
+            assert {"starpo", "starpo-s"} <= presets
     assert plans["echo-trap-bandit.yaml"].target == 6
     assert plans["bandit-presets.yaml"].target == 12 and plans["bandit-payoff-control.yaml"].target == 6
+    # step-level credit: GiGPO (no critic) against StarPO-S and its bi-level GAE (value head), 3 seeds each
+    gigpo = plans["gigpo-frozenlake.yaml"]
+    algos = {name: load_experiment(p, gigpo.sweep.overrides).algorithm for name, p in gigpo.bases.items()}
+    assert gigpo.target == 9 and {(a.estimator, a.critic) for a in algos.values()} == {
+        ("gae", "head"), ("bilevel_gae", "head"), ("gigpo", "none")}
     vanilla = load_experiment(plans["bandit-vanilla-paper.yaml"].bases["demo-starpo"],
                               plans["bandit-vanilla-paper.yaml"].sweep.overrides)
     assert vanilla.algorithm.kl_in_reward and vanilla.trainer.mini_batch_rows == 16  # 4 steps at 8 x 8
