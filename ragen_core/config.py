@@ -111,8 +111,7 @@ class ModelConfig:
         "auto", "where the actor and critic live; auto picks cuda when available")
     warmup: Literal["none", "self_distill"] = F(
         "none", "format warm-up the run starts from (ragen model warmup; made once and cached): none, or "
-                "self_distill (the model's own sampled thoughts put in the format). The old boolean is gone: "
-                "true meant canned thoughts, which collapsed reasoning")
+                "self_distill (the model's own sampled thoughts put in the format)")
     warmup_steps: int = F(30, "supervised steps of the format warm-up (8 first-turn replies each, 4 per state)", ge=1)
     warmup_lr: float = F(2e-4, "AdamW learning rate of the format warm-up (full fine-tuning, decayed linearly to 0)",
                          gt=0.0)
