@@ -4,9 +4,9 @@ Runs ``experiments/demo.yaml`` (or another experiment) for ``--iterations`` iter
 ``ragen_core.session`` without Prefect or MLflow (a NullLogger), and times each step the flow chains:
 evaluation, rollout, collapse diagnostics, filter, update, record (health checks, Parquet shard,
 summary line) and checkpoint. The diagnostics run every ``diagnostics.collapse_every`` iterations, so
-their share is reported per measuring iteration and amortised over the run (issue 15: at most 10%).
+their share is reported per measuring iteration and amortised over the run (target: at most 10%).
 
-With ``--flow`` (issue 21) the same experiment then runs as ``ragen train`` does: the Prefect flow (an
+With ``--flow`` the same experiment then runs as ``ragen train`` does: the Prefect flow (an
 ephemeral server under a temporary PREFECT_HOME), MLflow tracking (sqlite in a temporary data dir),
 artifacts, the Prefect artifacts and logs. Each recorded iteration carries its wall time
 (``timing/iteration_s``, from one record to the next); the first iteration of each side is left out
@@ -165,7 +165,7 @@ def main() -> None:
                       f"{int(diag.get('collapse/first_turn/n_prompts', 0))} prompts)", flush=True)
         total = time.perf_counter() - started
         plain_rows = [row for row in sess.history if "timing/iteration_s" in row]
-        # the seeded result, to check that a faster iteration trains as well (issue 21)
+        # the seeded result, to check that a faster iteration trains as well
         val_success = [[row["iteration"], round(row["val/success"], 4)] for row in sess.history if "val/success" in row]
         train_success = [round(row["rollout/success"], 4) for row in sess.history if "rollout/success" in row]
         roofline = {} if args.no_roofline else update_roofline(sess, rates)

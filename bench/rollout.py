@@ -1,4 +1,4 @@
-"""Rollout generation benchmark (issue 4): hf backend throughput, cross-turn cache reuse, vLLM speed-up.
+"""Rollout generation benchmark: hf backend throughput, cross-turn cache reuse, vLLM speed-up.
 
 Run:   .venv/bin/python bench/rollout.py            (default model, ~5-10 min on 2 idle CPU cores)
        .venv/bin/python bench/rollout.py --quick    (smaller rollout, for a smoke check)
@@ -17,8 +17,8 @@ The last line printed is one JSON object:
   vllm_speedup   rollout generated tok/s with the vllm backend / hf, same rollout settings and env
                  seeds (engine start excluded). Target >= 1.8.
   tok_s_b8/32/64 hf generated tok/s at batch 8/32/64: 239-token prompts, 64 new tokens, no stop token
-                 (the issue's measurement setup), prefill included; decode_tok_s_b*: the decode steps alone.
-  decode_roofline_frac  (issue 21) tok_s at the largest batch / (matmul FLOP/s / FLOPs per generated token):
+                 (a fixed measurement setup), prefill included; decode_tok_s_b*: the decode steps alone.
+  decode_roofline_frac  tok_s at the largest batch / (matmul FLOP/s / FLOPs per generated token):
                  the matmul rate is measured in this run (best fp32 1536^3 product, ``matmul_gflops``), a token
                  costs 2 FLOPs per weight (``flops_per_token``). Target >= 0.5. ``decode_only_roofline_frac``
                  leaves the prefill out; ``fast_decode_speedup`` = decode steps' tok/s / the same through
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in (int(b) for b in args.batches.split(",") if b):
         say(f"raw hf throughput at batch {batch} ...")
         result[f"tok_s_b{batch}"], result[f"decode_tok_s_b{batch}"] = batch_throughput(model, tokenizer, batch)
-    # the decode roofline (issue 21): generated tok/s at the largest batch / (matmul FLOP/s / FLOPs per token)
+    # the decode roofline: generated tok/s at the largest batch / (matmul FLOP/s / FLOPs per token)
     top = max(int(b) for b in args.batches.split(",") if b)
     flops = matmul_flops()
     per_token = 2 * sum(p.numel() for p in model.parameters())  # every weight once per token (tied head included)

@@ -1,6 +1,6 @@
 """Benchmark of the trainer update with the default model (SmolLM2-135M-Instruct), on CPU or GPU.
 
-Three ratios (issue 5) and peak memory:
+Three ratios and peak memory:
 
 - ``p2`` = our update's tokens/s ÷ a raw forward+backward+AdamW (fused, as ours) loop's tokens/s, same model,
   same rows × length, same micro-batches (``--micro`` rows and ``--micro-tokens`` token positions at most,

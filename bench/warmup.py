@@ -1,4 +1,4 @@
-"""Effect of the format warm-up (issues 5 and 12): format validity, entropy, thinking and template collapse,
+"""Effect of the format warm-up: format validity, entropy, thinking and template collapse,
 before and after, and its cost.
 
 On an experiment's model and env (default: experiments/demo.yaml, SmolLM2-135M-Instruct on Bandit, think on,

@@ -32,7 +32,7 @@ def test_bandit_family_carries_shared_params_but_not_arm_names():
     train_env = EnvConfig("Bandit", {"low_risk_reward": 0.1, "low_risk_name": "Teacher", "high_risk_name": "Engineer"},
                           tag="Bandit-TE")
     variants = ev.generalisation_variants(train_env)
-    # BanditRev is not here: in the paper it is a training run of its own (issue 12 item 8)
+    # BanditRev is not here: in the paper it is a training run of its own
     assert _labels(variants) == ["Bandit-TE", "Bandit", "BanditTest"]
     assert variants[0] == train_env
     for v in variants[1:]:

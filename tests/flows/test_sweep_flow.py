@@ -201,7 +201,7 @@ def test_deployment_dispatch_passes_the_trial_and_reads_back_its_reports(data_di
 
 
 def test_a_trial_stopped_by_a_health_rule_is_pruned(data_dir, tmp_path) -> None:
-    # Issue 15: a sweep prunes on the health rules. The tiny model's validation success is 0, so a val rule
+    # A sweep prunes on the health rules. The tiny model's validation success is 0, so a val rule
     # with patience 1 and action stop ends each trial's run at its first evaluation; with prune_on_health
     # (the default) the trial is PRUNED and says why; with it off the trial completes.
     rule = ["health.val_rule=stop", "health.val_rule_patience=1", "health.val_rule_threshold=1.0"]

@@ -1,6 +1,6 @@
 """The training flow end to end on the tiny model: iterations, MLflow metrics/tags/artifacts,
 readable shards, checkpoints, and resume continuing the same MLflow run; how the run looks in MLflow
-(issue 19: experiment, names, tags, charts, replies table, the logged and registered model) and that it
+(experiment, names, tags, charts, replies table, the logged and registered model) and that it
 ends FINISHED, FAILED or KILLED as the flow did."""
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def test_zero3_run_resumes_and_matches_the_torch_backend(data_dir) -> None:
 
 
 def test_the_prefect_ui_shows_progress_logs_artifacts_and_readable_task_names(smoke_run) -> None:
-    """Issue 19: per-iteration lines in the run's logs, a table and a progress artifact, a link to MLflow, an
+    """Per-iteration lines in the run's logs, a table and a progress artifact, a link to MLflow, an
     evaluation table, task runs named rollout-it0000..., and the MLflow run tagged with the flow run's page."""
     import asyncio
 
@@ -308,7 +308,7 @@ def test_the_prefect_ui_shows_progress_logs_artifacts_and_readable_task_names(sm
 
 
 def test_the_train_deployment_form_holds_only_what_a_person_sets() -> None:
-    """Issue 19: the sweep's own parameters (parent run, tags, Optuna trial) belong to the trial flow, so the
+    """The sweep's own parameters (parent run, tags, Optuna trial) belong to the trial flow, so the
     ragen-train deployment's form in the Prefect UI shows experiment, overrides, resume, run name and nproc."""
     from prefect.utilities.callables import parameter_schema
 

@@ -1,4 +1,4 @@
-"""Multi-process training (issue 18) on the tiny model over gloo: the train flow with ``nproc=2`` (this process
+"""Multi-process training on the tiny model over gloo: the train flow with ``nproc=2`` (this process
 is rank 0 and starts rank 1 as ``python -m flows.cli train-rank``) against one process on the same experiment and
 DeepSpeed stage: the same final weights, exactly one MLflow run, every group once in every shard, the same
 history; a run checkpointed by 2 processes resumes in 1 and ends where an unbroken run ends.

@@ -1,4 +1,4 @@
-"""Real browsers on real servers (#19): what a person sees when browsing a StarPO and a StarPO-S run.
+"""Real browsers on real servers: what a person sees when browsing a StarPO and a StarPO-S run.
 
 A StarPO and a StarPO-S smoke run on Sokoban (the tiny random model, 2 iterations each, same seeds) are
 trained with the ``ragen`` command, as a user runs it, against a real ``mlflow server`` and the session's

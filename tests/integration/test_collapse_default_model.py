@@ -1,6 +1,6 @@
 """Template-collapse diagnostics on the DEFAULT model (SmolLM2-135M-Instruct): 8 distinct first-turn Sokoban states.
 
-Issue 15: the metrics of ``trainer.collapse.measure_collapse`` on real samples, before and after the format
+The metrics of ``trainer.collapse.measure_collapse`` on real samples, before and after the format
 warm-up: finite, MI at most log N (plus Monte-Carlo noise), retrieval accuracy a probability. The numbers
 are printed (-s) for the closing note; the warm-up must leave thoughts that depend on the state, so after
 it MI is not collapsed to ~0 (RAGEN-2's template collapse, which the canned-thought warm-up produced:

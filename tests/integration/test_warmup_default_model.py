@@ -1,5 +1,5 @@
 """Format warm-up on the DEFAULT model (SmolLM2-135M-Instruct): self-distillation teaches the reply format
-without deciding what the model thinks (issue 5; issue 12 item 5).
+without deciding what the model thinks.
 
 Before: with the ``<think>`` prefill and no warm-up, the model closes ``<think>..</think><answer>..</answer>``
 in 0 of 64 demo replies (Bandit) and in no Sokoban turn (measured), so every trajectory gets the same format

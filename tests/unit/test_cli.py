@@ -93,7 +93,7 @@ def test_nproc_under_torchrun_must_match_its_world(tmp_path, monkeypatch) -> Non
 
 
 def test_resume_needs_no_experiment_file_and_runtime_errors_are_one_line(tmp_path, monkeypatch) -> None:
-    """Issue 19: `ragen train --resume RUN` alone; an unknown run is exit 2; an error while running is one line
+    """`ragen train --resume RUN` works alone; an unknown run is exit 2; an error while running is one line
     and exit 1 from the installed command (main), its traceback only with RAGEN_DEBUG=1."""
     import subprocess
     import sys

@@ -194,7 +194,7 @@ def test_exponent_numbers_without_a_dot_are_numbers(tmp_path) -> None:
             load_experiment(write(tmp_path, "name: x\n"), [f"trainer.actor_lr={bad}"])
 
 
-# ---------------------------------------------------------------- issue 20: bounded loading (tests/unit/config_corpus)
+# ---------------------------------------------------------------- bounded loading (tests/unit/config_corpus)
 
 
 def test_modest_anchors_and_aliases_still_load(tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""A corpus of bad experiments through the real `ragen train` (issue 20): every one exits 2 with exactly one line
+"""A corpus of bad experiments through the real `ragen train`: every one exits 2 with exactly one line
 that names the offending key (or the file), and writes nothing under $RAGEN_DATA_DIR or the working directory.
 
 The cases: the files in tests/unit/config_corpus/ (each says on its first line what its error must name:
@@ -130,7 +130,7 @@ def test_bad_generated_file(sandbox: Path, make) -> None:
 
 
 OVERRIDES: list[tuple[list[str], str]] = [
-    # the issue's findings, as --set
+    # the cases the checks were written for, as --set
     (["env.name=NoSuchEnv"], "env.name"),
     (["env.name=Sokoban", "env.params.height=-5"], "env.params.height"),
     (["env.params.colour=red"], "env.params.colour"),

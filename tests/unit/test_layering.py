@@ -56,7 +56,7 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_tracking_and_store_do_not_import_upwards() -> None:
-    """tracking/ and store/ sit below the session and the comparison: they import neither (issue 17)."""
+    """tracking/ and store/ sit below the session and the comparison: they import neither."""
     above = ("ragen_core.session", "ragen_core.compare", "ragen_core.evaluation", "ragen_core.sweeps")
     offenders = sorted({f"{path.relative_to(CORE).as_posix()} imports {top}"
                         for folder in ("tracking", "store") for path in (CORE / folder).rglob("*.py")

@@ -1,4 +1,4 @@
-"""Reference parity (issue 12): golden numbers computed by hand from the paper's formulas and the
+"""Reference parity: golden numbers computed by hand from the paper's formulas and the
 reference's settings, never by running our own code. Each test says where its numbers come from.
 
 Sources: RAGEN (arXiv 2504.20073) §3-§4, SPEC.md §4-§5 (the reference's facts: GAE γ = λ = 1, GRPO

@@ -24,7 +24,7 @@ def test_heldout_range_reaching_training_seeds_is_refused() -> None:
 
 
 def test_collapse_diagnostics_every_k_iterations_with_an_ema_kept_in_checkpoints(tmp_path, monkeypatch) -> None:
-    # Issue 15: collapse/ metrics every diagnostics.collapse_every iterations, on the policy that sampled the
+    # collapse/ metrics every diagnostics.collapse_every iterations, on the policy that sampled the
     # rollouts; mi_zscore_ema divides MI by an EMA (decay 0.9) of the marginal std, carried across a resume.
     import json
     from pathlib import Path
@@ -64,7 +64,7 @@ def test_collapse_diagnostics_every_k_iterations_with_an_ema_kept_in_checkpoints
 
 @pytest.mark.parametrize("critic", ["head", "separate"])
 def test_a_value_heads_old_values_come_from_the_rollout(tmp_path, monkeypatch, critic: str) -> None:
-    # Issue 21: with critic: head the hf generator records the head's values as it samples, so the update needs
+    # With critic: head the hf generator records the head's values as it samples, so the update needs
     # no forward for its old values; they are what that forward gives (1e-4). A separate critic records none.
     from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""Env parameters are checked when the env is built (issue 20): a bad one is a ValueError naming it, never a
+"""Env parameters are checked when the env is built: a bad one is a ValueError naming it, never a
 ZeroDivisionError at the first search, a reset that never returns, or a value silently replaced.
 
 Each constructor's signature is its schema (envs/base.py ``checked_params``); config loading builds every env
@@ -18,7 +18,7 @@ from ragen_core.envs.countdown import CountdownEnv, generate_problem
 from ragen_core.envs.webshop.env import WebShopEnv
 
 BAD = [
-    # the issue's findings
+    # the cases the checks were written for
     ("WebShop", {"results_per_page": 0}, "results_per_page"),  # was ZeroDivisionError at the first search
     ("WebShop", {"num_products": 0}, "num_products"),  # was silently 1200
     ("Countdown", {"min_numbers": 50, "max_numbers": 60}, "min_numbers"),  # reset never returned

@@ -1,4 +1,4 @@
-"""Generated model replies through parse -> match -> step, on every registered env (issue 20).
+"""Generated model replies through parse -> match -> step, on every registered env.
 
 Hypothesis builds replies from the pieces a model emits (think/answer tags in any order and nesting, the
 env's own action names in any case, ``||``, whitespace, junk, long runs) and plays each through

@@ -1,4 +1,4 @@
-"""The hf generator records a value head's values of the states it sampled in (Generation.values, issue 21).
+"""The hf generator records a value head's values of the states it sampled in (Generation.values).
 
 Reference: the head on the decoder's last hidden states of the whole dialogue (prompt + sampled ids), one
 forward, as the trainer's critic forward computes them (trainer.models.critic_values): the value of sampled

@@ -285,7 +285,7 @@ def test_a_last_turn_keeps_no_cache_and_still_reuses_the_kept_ones(tiny):
 
 
 def test_cache_reuse_logprobs_equal_a_full_prefill_by_teacher_forcing(tiny):
-    # issue 4's criterion, independent of sampling: each turn's sampled tokens scored by one plain forward
+    # the cache-reuse criterion, independent of sampling: each turn's sampled tokens scored by one plain forward
     model, tokenizer = tiny
     gen = HFGenerator(model, tokenizer)
     contexts = _prompts(tokenizer, TEXTS)

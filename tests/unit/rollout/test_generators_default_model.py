@@ -79,7 +79,7 @@ def _full_prefill_logprobs(model, prompt, continuation, temperature=1.0):
 
 
 def test_cache_reuse_logprobs_within_1e4_of_full_reprefill(smollm):
-    """Issue 4's criterion: every sampled token's logprob with cache reuse equals a full re-prefill's."""
+    """The cache-reuse criterion: every sampled token's logprob with cache reuse equals a full re-prefill's."""
     model, tokenizer = smollm
     reuse = HFGenerator(model, tokenizer, cache_reuse=True)
     history = _three_turns(reuse, tokenizer, _dialogue_heads(tokenizer))

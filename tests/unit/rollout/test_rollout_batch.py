@@ -40,7 +40,7 @@ def _script(call: int, row: int, prompt: object) -> str:
 
 
 def check_masks(batch: TokenBatch, trajs: list[Trajectory], tok: PreTrainedTokenizerBase) -> None:
-    """The mask properties the issue asks for (also used by the default-model integration test)."""
+    """The mask properties every batch must have (also used by the default-model integration test)."""
     assert mask_problems(batch, trajs, tok) == []
     # scripted replies are real text, so more can be said: the masked text of a turn is the reply
     # text plus the template's end-of-turn token when it was sampled, and no env text is masked
@@ -73,7 +73,7 @@ def test_masks_ids_and_env_text(tok: PreTrainedTokenizerBase) -> None:
 
 @pytest.mark.parametrize("think", [True, False])
 def test_prefilled_tag_is_context_not_trained(tok: PreTrainedTokenizerBase, think: bool) -> None:
-    # SPEC §3 / issue 12 item 4: every generation prompt ends with <think> (<answer> in NoThink), the
+    # SPEC §3: every generation prompt ends with <think> (<answer> in NoThink), the
     # reply continues from it, the parser sees tag + reply, and the loss mask leaves the tag out.
     tag = "<think>" if think else "<answer>"
     reply = "<think>push</think><answer>Up</answer>" if think else "<answer>Up</answer>"

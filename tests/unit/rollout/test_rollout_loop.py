@@ -41,7 +41,7 @@ def _replay(env_cfg: EnvConfig, seed: int, member: int, actions: list[str]) -> l
 
 
 def test_group_shares_initial_state_and_luck_by_default(tok: PreTrainedTokenizerBase) -> None:
-    # SPEC §2 / issue 12 item 3: the reference resets all N members with the same seed, so they share
+    # SPEC §2: the reference resets all N members with the same seed, so they share
     # the env's random draws: 16 pulls of Dragon in one group all pay the same.
     gen = ScriptedGenerator(tok, _answer("Dragon"))
     trajs = run_rollouts(BANDIT, gen, tok, RolloutConfig(), seeds=[6, 1], n_per_group=16)
@@ -88,7 +88,7 @@ def test_frozen_lake_slips_are_shared_within_a_group(tok: PreTrainedTokenizerBas
 
 
 def test_episode_budget_follows_the_config(tok: PreTrainedTokenizerBase) -> None:
-    # Issue 12 item 7 / SPEC §5: Table 3's k = 6 gives 5 turns x 6 actions = 30 actions, and the env's
+    # SPEC §5: Table 3's k = 6 gives 5 turns x 6 actions = 30 actions, and the env's
     # own step limit (Sokoban: 10 by default) must follow, not cut the episode at 10.
     from ragen_core.rollout.loop import episode_env
 

@@ -198,7 +198,7 @@ def test_find_says_where_it_looked(data: Path, tmp_path: Path) -> None:
         RunDir.find(str(tmp_path / "missing"))
 
 
-# ---------------------------------------------------------------- what a kill leaves behind (issue 20)
+# ---------------------------------------------------------------- what a kill leaves behind
 
 
 def _dead_pid() -> int:

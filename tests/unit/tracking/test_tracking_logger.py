@@ -174,7 +174,7 @@ def test_outbox_persists_offsets_and_drops_a_torn_last_line(tmp_path: Path) -> N
 
 def test_outbox_survives_corrupt_lines_and_state_and_loses_nothing(tmp_path: Path,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 20: damage in the outbox never stops a run and never drops an entry."""
+    """Damage in the outbox never stops a run and never drops an entry."""
     from ragen_core.tracking.outbox import CORRUPT_FILE, STATE_FILE
 
     box = Outbox(tmp_path)

@@ -297,7 +297,7 @@ def test_default_outbox_dir_is_under_the_run_directory(monkeypatch: pytest.Monke
 
 
 def test_a_resumed_run_logs_each_metric_point_once(uri: str, tmp_path: Path) -> None:
-    """Issue 20: after a kill, the iterations since the last checkpoint are redone; their metrics must not land
+    """After a kill, the iterations since the last checkpoint are redone; their metrics must not land
     twice. once_per_step keeps the first point of each (key, step) the outbox has seen."""
     first = MLflowLogger(uri, "resume-once", run_name="r", outbox_dir=tmp_path, once_per_step=True)
     first.log_metrics({"env/success": 0.25}, step=0)

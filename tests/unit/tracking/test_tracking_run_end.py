@@ -1,4 +1,4 @@
-"""A run ends FINISHED, FAILED or KILLED as it really ended (issue 19): the status of each way out of a
+"""A run ends FINISHED, FAILED or KILLED as it really ended: the status of each way out of a
 ``run_scope``, SIGTERM turned into an exception, and the status reaching MLflow (a temporary sqlite store).
 The flow level (a flow that raises, ``ragen train`` sent SIGTERM) is in tests/flows/test_train_flow.py."""
 

@@ -1,4 +1,4 @@
-"""How a run looks in MLflow (issue 19): run names, one experiment per env family marked as training runs,
+"""How a run looks in MLflow: run names, one experiment per env family marked as training runs,
 the comparison curves first in the chart view, standard tags and the description, the replies table, nested
 runs in their parent's experiment, and the UI links. Against a temporary sqlite store."""
 

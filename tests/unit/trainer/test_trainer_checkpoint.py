@@ -165,7 +165,7 @@ def test_another_base_architecture_is_refused_by_shape(tmp_path: Path) -> None:
 
 
 def test_checkpoint_lists_its_files_and_publishes_extra_files_with_them(tmp_path: Path) -> None:
-    """Issue 20: state.json (written last) lists every file's size, so a copy or disk cut short is told from a
+    """state.json (written last) lists every file's size, so a copy or disk cut short is told from a
     whole checkpoint; the session's health.json goes in before the rename, not after it."""
     from ragen_core.store.run_dir import checkpoint_problem
 

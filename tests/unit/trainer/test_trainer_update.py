@@ -168,7 +168,7 @@ def test_micro_batch_invariance_one_of_eight_vs_eight_of_one(preset: str, agg: s
 
 
 def test_default_gradient_weights_each_trajectory_once() -> None:
-    # Issue 12 item 2: by default (seq-mean-token-mean) the actor's gradient is that of the policy loss
+    # By default (seq-mean-token-mean) the actor's gradient is that of the policy loss
     # averaged over each row's tokens, then over rows (make_batch's rows have 4-10 loss tokens each),
     # accumulated exactly over uneven micro-batches of 3; token-mean would weight long rows more.
     cfg = make_cfg("grpo", "algorithm.kl_coef=0.0", "algorithm.entropy_coef=0.0", "trainer.micro_batch_size=3")
@@ -229,7 +229,7 @@ def test_mini_batches_make_steps_and_report_mean_and_max_grad_norm() -> None:
 
 
 def test_vanilla_takes_four_steps_and_starpo_s_one_at_8x16() -> None:
-    # Issue 12 item 1 (reference ppo_mini_batch_size 32): P x N = 8 x 16 = 128 rows. Vanilla StarPO trains
+    # Reference parity (reference ppo_mini_batch_size 32): P x N = 8 x 16 = 128 rows. Vanilla StarPO trains
     # on all 128 -> 128 / 32 = 4 optimizer steps; StarPO-S keeps 25% of the groups = 2 x 16 = 32 rows -> 1.
     batch = make_batch(n_groups=8, group_size=16, max_len=12, turns=1)
     steps = {}
