@@ -234,7 +234,7 @@ def test_the_alias_bomb_is_refused_in_milliseconds(tmp_path) -> None:
     ("name=../../x", "name: bad run name '../../x'"),
     ("env.params.x=" + "[" * 40 + "]" * 40, "env.params.x: nested deeper than 32 levels"),
 ])
-def test_issue_20_values_are_refused_naming_the_key(tmp_path, override, needle) -> None:
+def test_bad_values_are_refused_naming_the_key(tmp_path, override, needle) -> None:
     with pytest.raises(ConfigError) as e:
         load_experiment(write(tmp_path, "name: x\n"), [override])
     assert needle in str(e.value)
