@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matmul import matmul_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout, with or without the package installed
@@ -112,24 +113,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5) -> float:
-    """Best FLOP/s of an n x n x n product in ``dtype`` (fp32 on CUDA: TF32)."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        sync(device)
-        start = time.perf_counter()
-        (a @ b).sum().item()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
 def section_matmul(device: torch.device, small: bool) -> Result:
     n = 1024 if small else 8192
-    return {"n": n, "fp32_tflops": matmul_rate(device, torch.float32, n) / 1e12,
-            "bf16_tflops": matmul_rate(device, torch.bfloat16, n) / 1e12}
+    return {"n": n, "fp32_tflops": matmul_rate(torch.float32, n, device=device) / 1e12,
+            "bf16_tflops": matmul_rate(torch.bfloat16, n, device=device) / 1e12}
 
 
 def one_update(base: torch.nn.Module, device: torch.device, tokens: Any, *overrides: str) -> Result:

@@ -44,6 +44,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from matmul import matmul_rate
 
 from ragen_core import session
 from ragen_core.config import load_experiment, load_sweep
@@ -68,21 +69,6 @@ def case_setting(case: str) -> tuple[str, list[str]]:
     sweep = load_sweep(ROOT / study)
     base = (ROOT / study).parent / str(sweep.base)
     return str(base.resolve()), [*sweep.overrides, f"preset={preset}"]
-
-
-def matmul_rates(n: int = 2048, repeats: int = 5) -> dict[str, float]:
-    """GFLOP/s of an n x n x n matmul in fp32 and in bf16, the best of ``repeats`` (after a warm-up)."""
-    rates = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t)
-        rates[name] = 2 * n**3 / best / 1e9
-    return rates
 
 
 def update_roofline(sess: session.Session, rates: dict[str, float]) -> dict[str, float]:
@@ -126,7 +112,7 @@ def main() -> None:
     overrides = [*case_overrides, f"trainer.iterations={args.iterations}", "trainer.checkpoint_every=0",
                  *args.overrides]
     print(f"case {args.case}: {experiment} " + " ".join(f"--set {o}" for o in overrides), flush=True)
-    rates = matmul_rates()
+    rates = {"fp32": matmul_rate(torch.float32) / 1e9, "bf16": matmul_rate(torch.bfloat16) / 1e9}  # GFLOP/s
     cfg = load_experiment(experiment, overrides)
     seconds: dict[str, float] = defaultdict(float)
     measured: list[float] = []

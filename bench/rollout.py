@@ -125,22 +125,6 @@ def batch_throughput(model: Any, tokenizer: Any, batch: int, prompt_len: int = 2
     return sum(len(g.token_ids) for g in out) / seconds, stats["decode_tokens"] / stats["decode_seconds"]
 
 
-def matmul_flops(n: int = 1536, repeats: int = 10) -> float:
-    """This machine's fp32 matmul rate (FLOP/s): the best of ``repeats`` n x n x n products, in this process
-    (same threads as the rollout)."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
 def replay_with_generate(model: Any, tokenizer: Any, rec: Recorder) -> float:
     """Seconds ``model.generate`` takes for the same calls (prompts, steps) as the recorded rollout."""
     import torch
@@ -329,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         result[f"tok_s_b{batch}"], result[f"decode_tok_s_b{batch}"] = batch_throughput(model, tokenizer, batch)
     # the decode roofline: generated tok/s at the largest batch / (matmul FLOP/s / FLOPs per token)
     top = max(int(b) for b in args.batches.split(",") if b)
-    flops = matmul_flops()
+    from matmul import matmul_rate  # torch is imported only once the thread settings are made
+
+    flops = matmul_rate(n=1536, repeats=10)
     per_token = 2 * sum(p.numel() for p in model.parameters())  # every weight once per token (tied head included)
     # as rollouts run: the batch in prompt groups of --group-size rows (prefilled once; cascade attention)
     say(f"raw hf throughput at batch {top} in prompt groups of {args.group_size} ...")
