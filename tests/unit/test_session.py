@@ -162,3 +162,30 @@ def test_the_gradient_analysis_runs_every_k_iterations_on_the_unfiltered_batch(t
         assert sum(r[f"grad/{b}/rows"] for b in ("zero", "le_0.2", "gt_0.2")) == total
         assert r["timing/grad_buckets_s"] > 0
         assert all(r[k] >= 0 for k in r if k.startswith("grad/") and not k.endswith("/rows"))
+
+
+def test_the_gradient_analysis_leaves_training_untouched(tmp_path, monkeypatch) -> None:
+    # Nothing is stepped and no random state is drawn: with and without the analysis a run logs the same
+    # losses, returns and gradient norms, iteration by iteration (StarPO-S with a value head under LoRA, in
+    # the trainer's precision as the studies run it)
+    from pathlib import Path
+
+    from ragen_core.config import load_experiment
+    from ragen_core.session import open_session, run_iteration
+    from ragen_core.tracking import NullLogger
+
+    smoke = Path(__file__).resolve().parents[2] / "experiments" / "smoke.yaml"
+    common = ["preset=starpo-s", "algorithm.critic=head", "model.lora_rank=8", "trainer.precision=auto",
+              "trainer.iterations=3", "eval.every=0", "diagnostics.collapse_every=0"]
+    runs = []
+    for every in (0, 1):
+        monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path / f"every{every}"))
+        cfg = load_experiment(smoke, [*common, f"diagnostics.grad_buckets_every={every}"])
+        sess = open_session(cfg, NullLogger(), say=lambda line: None)
+        runs.append([run_iteration(sess) for _ in range(3)])
+    plain, analysed = runs
+    assert all("grad/zero/rows" in r for r in analysed) and not any("grad/zero/rows" in r for r in plain)
+    for a, b in zip(plain, analysed, strict=True):
+        same = {k: v for k, v in a.items() if not k.startswith(("timing/", "grad/", "perf/"))}
+        assert {k: b[k] for k in same} == pytest.approx(same, rel=0, abs=0, nan_ok=True)  # bit for bit
+        assert {"actor/pg_loss", "actor/grad_norm", "rollout/success"} <= same.keys()
