@@ -123,11 +123,18 @@ def test_the_repository_study_files_are_valid() -> None:
             assert {"starpo", "starpo-s"} <= presets
     assert plans["echo-trap-bandit.yaml"].target == 6
     assert plans["bandit-presets.yaml"].target == 12 and plans["bandit-payoff-control.yaml"].target == 6
-    # step-level credit: GiGPO (no critic) against StarPO-S and its bi-level GAE (value head), 3 seeds each
+    # step-level credit: GiGPO (no critic) and StarPO-S's bi-level GAE (value head), 3 seeds each, against the
+    # StarPO-S runs of echo-trap-frozenlake, which have the same configuration but for the gradient analysis
     gigpo = plans["gigpo-frozenlake.yaml"]
     algos = {name: load_experiment(p, gigpo.sweep.overrides).algorithm for name, p in gigpo.bases.items()}
-    assert gigpo.target == 9 and {(a.estimator, a.critic) for a in algos.values()} == {
-        ("gae", "head"), ("bilevel_gae", "head"), ("gigpo", "none")}
+    assert gigpo.target == 6 and {(a.estimator, a.critic) for a in algos.values()} == {
+        ("bilevel_gae", "head"), ("gigpo", "none")}
+    echo = plans["echo-trap-frozenlake.yaml"]
+    (echo_base,) = echo.bases.values()
+    starpo_s = load_experiment(echo_base, [*echo.sweep.overrides, "preset=starpo-s"])
+    assert starpo_s == load_experiment(ROOT / "studies" / "bases" / "frozenlake-starpo-s.yaml",
+                                       [*gigpo.sweep.overrides, "diagnostics.grad_buckets_every=5"])
+    assert starpo_s.algorithm.estimator == "gae" and starpo_s.algorithm.critic == "head"
     vanilla = load_experiment(plans["bandit-vanilla-paper.yaml"].bases["demo-starpo"],
                               plans["bandit-vanilla-paper.yaml"].sweep.overrides)
     assert vanilla.algorithm.kl_in_reward and vanilla.trainer.mini_batch_rows == 16  # 4 steps at 8 x 8
