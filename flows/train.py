@@ -67,10 +67,15 @@ def train_trial(
     parent_run_id: str | None = None,
     tags: dict[str, str] | None = None,
     trial: dict[str, Any] | None = None,
+    resume: str | None = None,
 ) -> session.TrainResult:
     """One sweep trial: :func:`train` in one process, its MLflow run nested under ``parent_run_id`` with
     ``tags``, reporting validation success to the Optuna ``trial`` (storage, study, number), which may prune
-    it. Sweeps call it in-process or as the ``ragen-train-trial`` deployment (``dispatch: deployment``)."""
+    it. Sweeps call it in-process or as the ``ragen-train-trial`` deployment (``dispatch: deployment``).
+    ``resume``: the run of an interrupted trial, which this retry continues from its last checkpoint (its saved
+    config, so ``overrides`` and ``run_name`` are not applied again)."""
+    if resume:
+        return _start(experiment, [], resume, None, 1, parent_run_id, tags, trial)
     return _start(experiment, list(overrides or []), None, run_name, 1, parent_run_id, tags, trial)
 
 

@@ -598,7 +598,9 @@ class SweepConfig:
                     "validation metric reported to Optuna per evaluation and optimised (a key of history.jsonl)")
     pruner_startup_trials: int = F(5, "finished trials before the pruner may stop one (Optuna's n_startup_trials)",
                                    ge=0)
-    retries: int = F(1, "times a trial whose worker died (heartbeat lost) runs again as a new trial", ge=0)
+    retries: int = F(1, "times a trial whose worker died (heartbeat lost) runs again as a new trial; an "
+                        "interrupted trial (Ctrl-C, a termination signal) runs again each time. A retry continues "
+                        "the lost trial's run from its last checkpoint when that run's folder is here", ge=0)
     prune_on_health: bool = F(True, "prune a trial whose run a health check stopped (health.* rules with "
                                     "action stop: Echo Trap, RAGEN-2's early stops, template collapse)")
     dispatch: Literal["local", "deployment"] = F(

@@ -227,13 +227,15 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
     trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(name), number)
     metric, warmup = str(spec["metric"]), int(spec["pruner_warmup"])
     single = len(study.directions) == 1  # Optuna has no intermediate values for several objectives
-    curve: list[list[float]] = []
+    # a retry that continues the lost trial's run starts from the curve that trial reported (trials.py)
+    curve: list[list[float]] = list(storage.get_trial(trial_id).user_attrs.get("curve") or [])
     started = time.monotonic()
 
     def report(sess: Session, val: Mapping[str, float]) -> None:
         if metric not in val:
             raise KeyError(f"sweep metric {metric!r} is not among the validation metrics {sorted(val)}")
         step, value = sess.iteration, float(val[metric])
+        curve[:] = [c for c in curve if c[0] < step]  # a resumed run redoes the evaluations after its checkpoint
         curve.append([step, value])
         per_env = {k[len("val/"):-len("/success")]: float(v) for k, v in val.items()
                    if k.startswith("val/") and k.endswith("/success") and k != "val/success"}
@@ -362,12 +364,14 @@ def stop_when_done(
     return callback
 
 
-def requeue_interrupted(study: optuna.Study, retries: int) -> list[int]:
+def requeue_interrupted(study: optuna.Study) -> list[int]:
     """Queue once more the trials that ended FAIL because their run was interrupted (Ctrl-C, SIGTERM).
 
-    Optuna marks such a trial FAIL like a crash; unlike a crash it says nothing about the
-    configuration, so a resumed study runs it again (at most ``retries`` times, like a lost
-    worker's trial). Returns the numbers of the trials queued again.
+    Optuna marks such a trial FAIL like a crash; unlike a crash it says nothing about the configuration, so a
+    resumed study runs it again, each time it was interrupted (a long run may be stopped at the end of several
+    sessions; the retry continues its run from the last checkpoint, trials.py). A lost worker's trial is
+    retried by the storage's heartbeat callback instead, at most ``retries`` times. Returns the numbers of the
+    trials queued again.
     """
     import optuna  # lazily: see the note at the top
     from optuna.trial import TrialState  # lazily: see the note at the top
@@ -377,7 +381,7 @@ def requeue_interrupted(study: optuna.Study, retries: int) -> list[int]:
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=retries)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)
         for t in trials:
             if t.state == TrialState.FAIL and t.user_attrs.get("interrupted") and t.number not in retried:
                 before = len(study.get_trials(deepcopy=False))

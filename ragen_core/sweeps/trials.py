@@ -19,9 +19,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragen_core.config import ConfigError, load_experiment
+from ragen_core.store.run_dir import RunDir
 from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics
 from ragen_core.sweeps.objective import objective_value
 from ragen_core.sweeps.space import SweepPlan, suggest_params, trial_experiment
@@ -66,12 +68,26 @@ class NoWorker(RuntimeError):
 
 
 def trial_parameters(plan: SweepPlan, experiment: str, overrides: list[str], parent_run_id: str | None,
-                     number: int, url: str) -> dict[str, Any]:
+                     number: int, url: str, resume: str | None = None) -> dict[str, Any]:
     """The parameters of the trial flow (flows/train.py ``train_trial``): plain JSON, no secret (the storage URL
-    travels without its password; the worker adds it, study.trial_storage)."""
+    travels without its password; the worker adds it, study.trial_storage). ``resume``: the run this trial
+    continues (:func:`resumable_run`)."""
     return {"experiment": experiment, "overrides": overrides, "parent_run_id": parent_run_id,
             "run_name": f"{plan.sweep.name}-t{number:03d}-{time.strftime('%Y%m%d-%H%M%S')}",
-            "tags": {"study": plan.sweep.name, "trial": str(number)}, "trial": trial_spec(plan.sweep, url, number)}
+            "tags": {"study": plan.sweep.name, "trial": str(number)}, "trial": trial_spec(plan.sweep, url, number),
+            **({"resume": resume} if resume else {})}
+
+
+def resumable_run(run_dir: str | None) -> str | None:
+    """The name of an interrupted trial's run when it can be continued here (its folder, with a whole config, is
+    under this machine's runs root), else None: the retry then starts a new run."""
+    if not run_dir:
+        return None
+    try:
+        folder = RunDir.resumable(Path(run_dir).name)
+    except ConfigError:
+        return None
+    return None if folder.config_problem() else folder.name
 
 
 def run_trials(plan: SweepPlan, study: optuna.Study, url: str, parent_run_id: str | None, workers: int,
@@ -83,7 +99,7 @@ def run_trials(plan: SweepPlan, study: optuna.Study, url: str, parent_run_id: st
     finished = None
     study.set_user_attr(STALLED_ATTR, None)
     while True:
-        requeue_interrupted(study, plan.sweep.retries)
+        requeue_interrupted(study)
         todo = remaining_trials(study, plan.target, plan.grid)
         if not todo and finished is not None:
             return
@@ -117,10 +133,12 @@ def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str
     """One trial: the train flow on the base experiment plus this trial's overrides."""
     import optuna  # lazily: see study.py's note
 
-    experiment, overrides = trial_experiment(plan.sweep, _start_trial(trial, plan), plan.bases)
+    resume = resumable_run(trial_record(trial.study, trial.number).user_attrs.get("run_dir"))
+    experiment, overrides = trial_experiment(plan.sweep, _start_trial(trial, plan, keep_curve=bool(resume)),
+                                             plan.bases)
     trial.set_user_attr("overrides", overrides)
     try:
-        result = run_trial(trial_parameters(plan, experiment, overrides, parent_run_id, trial.number, url))
+        result = run_trial(trial_parameters(plan, experiment, overrides, parent_run_id, trial.number, url, resume))
     except NoWorker as e:  # the pool is not there: run it again on resume, and stop this sweep
         trial.set_user_attr("interrupted", type(e).__name__)
         trial.study.set_user_attr(STALLED_ATTR, str(e))
@@ -143,12 +161,15 @@ def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str
     return value, float(attrs["cost"][plan.sweep.cost_objective])
 
 
-def _start_trial(trial: optuna.Trial, plan: SweepPlan) -> dict[str, Any]:
-    """The trial's parameters. A retry starts clean; a trial whose grid point another trial has run or is running
-    is skipped (DuplicateTrial)."""
+def _start_trial(trial: optuna.Trial, plan: SweepPlan, keep_curve: bool = False) -> dict[str, Any]:
+    """The trial's parameters. A retry starts clean, or, when it continues the lost trial's run
+    (``keep_curve``), with that run's folder and the curve it reported so far; a trial whose grid point another
+    trial has run or is running is skipped (DuplicateTrial)."""
     if "failed_trial" in trial_record(trial.study, trial.number).system_attrs:
+        kept = ("curve", "run_dir", "mlflow_run_id") if keep_curve else ()
         for key in RESULT_ATTRS:  # a retry inherits the lost trial's attributes
-            trial.set_user_attr(key, None)
+            if key not in kept:
+                trial.set_user_attr(key, None)
     params = suggest_params(trial, plan)
     trial.set_user_attr("worker", worker_name())  # every trial a worker took, a skipped duplicate too
     other = duplicate_of(trial.study, trial.number)

@@ -324,7 +324,7 @@ def test_cli_refuses_a_bad_grid_point_before_training(base: Path, tmp_path: Path
     assert "3 does not divide the fixed total batch" in " ".join(result.output.split())
 
 
-def test_interrupted_trials_are_queued_again_once() -> None:
+def test_interrupted_trials_are_queued_again_once_per_interruption() -> None:
     study = grid_study()
     interrupted, crashed = study.ask(), study.ask()
     for t in (interrupted, crashed):
@@ -332,13 +332,20 @@ def test_interrupted_trials_are_queued_again_once() -> None:
     interrupted.set_user_attr("interrupted", "KeyboardInterrupt")
     study.tell(interrupted, state=optuna.trial.TrialState.FAIL)
     study.tell(crashed, state=optuna.trial.TrialState.FAIL)
-    assert requeue_interrupted(study, retries=1) == [0]  # a crash says the configuration fails: not again
-    assert requeue_interrupted(study, retries=1) == []  # queued once only
+    assert requeue_interrupted(study) == [0]  # a crash says the configuration fails: not again
+    assert requeue_interrupted(study) == []  # queued once only
     waiting = study.trials[-1]
     assert waiting.state.name == "WAITING"
     assert waiting.system_attrs["grid_id"] == study.trials[0].system_attrs["grid_id"]
     assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 2  # the third point and the queued retry
-    assert requeue_interrupted(grid_study(), retries=0) == []
+    # the retry is interrupted too (a long run stopped at the end of two sessions): it is queued again
+    retry = study.ask()
+    assert retry.number == waiting.number
+    retry.set_user_attr("interrupted", "KeyboardInterrupt")
+    study.tell(retry, state=optuna.trial.TrialState.FAIL)
+    assert requeue_interrupted(study) == [retry.number]
+    assert study.trials[-1].system_attrs["retry_history"] == [0, retry.number]
+    assert requeue_interrupted(study) == [] and requeue_interrupted(grid_study()) == []
 
 
 def test_a_two_objective_table_has_a_cost_column() -> None:
