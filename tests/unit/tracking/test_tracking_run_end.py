@@ -14,6 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from ragen_core.tracking import MLflowLogger, NullLogger
+from ragen_core.tracking.history import fail_running_runs
 from ragen_core.tracking.run_end import Terminated, adopt, closes_runs, exit_status, run_scope, sigterm_raises
 
 
@@ -88,3 +89,16 @@ def test_an_installed_sigterm_handler_is_left_alone() -> None:
         signal.signal(signal.SIGTERM, before)
 
 
+
+
+def test_lost_runs_are_marked_failed_and_ended_runs_stay_as_they_are(uri: str) -> None:
+    client = MlflowClient(uri)
+    exp = client.create_experiment("lost-runs")
+    running = client.create_run(exp, run_name="lost").info.run_id
+    done = client.create_run(exp, run_name="done").info.run_id
+    client.set_terminated(done, "FINISHED")
+    said: list[str] = []
+    fail_running_runs(uri, [running, done, "no-such-run"], say=said.append)
+    assert client.get_run(running).info.status == "FAILED"
+    assert client.get_run(done).info.status == "FINISHED"
+    assert len(said) == 1 and "no-such-run" in said[0]  # a tracking error is said, not raised
