@@ -27,6 +27,9 @@ The last line printed is one JSON object:
                  prefilled once, and the decode steps read each prompt's keys once per group (cascade
                  attention, decode_step.SharedPrefix).
   hf_vs_vllm     hf rollout tok/s / vLLM's on the same rollout (1 / vllm_speedup). Target >= 1.2.
+  cpu_capability the vector code torch ran (AVX512, AVX2, DEFAULT); ``ATEN_CPU_CAPABILITY=avx2`` lowers it, and
+                 with ``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` the run stands in for a CPU with
+                 AVX2 only (the decode attention kernel is then built for AVX2; vLLM keeps its own dispatch).
   vllm_sync_memory_s, vllm_sync_disk_s  one iteration's weight sync into the vLLM engine (the default model's
                  fp32 state dict): handed over in memory, against a safetensors file written and reloaded (what an
                  engine in another process needs); ``sync_disk_over_memory`` is their ratio.
@@ -323,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"model.forward decode at batch {top}, for comparison ...")
     slow, slow_decode = batch_throughput(model, tokenizer, top, fast_decode=False)
     result.update(
+        cpu_capability=str(torch.backends.cpu.get_cpu_capability()),
         matmul_gflops=flops / 1e9,
         flops_per_token=per_token,
         roofline_tok_s=flops / per_token,

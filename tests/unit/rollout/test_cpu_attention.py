@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,7 +41,8 @@ def test_the_kernel_builds_here():
 def test_matches_attention_over_padded_strided_caches(group, head):
     """Left padding, holes, cache views with room after them (as kv.growing_cache makes), every group size
     and head size built: out within 1e-5 and log-sum-exp within 1e-5 of float64 attention, and torch's SDPA.
-    37 columns: two whole blocks of 16 keys (the AVX512 path) and a rest; masked keys NaN (never used)."""
+    37 columns: two whole blocks of 16 keys (the AVX512 path), or four of 8 (AVX2), and a rest; masked keys NaN
+    (never used)."""
     gen = torch.Generator().manual_seed(group * head)
     b, h, w, room = 5, 2, 37, 11
     q = torch.randn(b, h, group, head, generator=gen)
@@ -140,3 +144,24 @@ def test_turned_off_by_the_environment(monkeypatch):
                                 torch.zeros(1, 4), 0.1) is None
     finally:
         cpu_attention._op.cache_clear()
+
+
+ROOT = Path(__file__).resolve().parents[3]
+CHILD = """
+import sys, pytest, torch
+assert str(torch.backends.cpu.get_cpu_capability()) == sys.argv[1], torch.backends.cpu.get_cpu_capability()
+chosen = "(matches or shared or no_real or builds) and not avx2_cpu"
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", chosen]))
+"""
+
+
+@pytest.mark.usefixtures("needs_compiler")
+def test_the_build_for_an_avx2_cpu_matches_too() -> None:
+    """The kernel as built for a CPU with AVX2 only (scores 8 keys at a time), on this machine: torch told to run
+    at that capability (ATEN_CPU_CAPABILITY, which can only lower it) in a child process, where this file's
+    numerical tests pass with that build. (The plain loop of a CPU with neither is left out: one more build.)"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", CHILD, "AVX2", __file__], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
