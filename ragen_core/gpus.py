@@ -103,11 +103,6 @@ def _lock(name: str) -> FileLock:
     return FileLock(str(lock_dir() / f"gpu-{safe}.lock"), mode=0o666, thread_local=False)
 
 
-def held() -> tuple[str, ...]:
-    """The devices this process holds (empty when it holds none)."""
-    return _held_ids
-
-
 def hold(n: int, *, wait_s: float | None = None, poll_s: float = 1.0,
          say: Callable[[str], None] = print) -> tuple[str, ...]:
     """Hold ``n`` distinct devices of this machine until this process ends; returns their ids (also the value

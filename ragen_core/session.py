@@ -588,10 +588,10 @@ class Hooks:
     """After the final evaluation is recorded."""
 
 
-def run_iteration(sess: Session, steps: Steps | None = None) -> dict[str, float]:
-    """(evaluate) -> rollout -> filter -> update -> record -> (checkpoint): one iteration of :func:`run_to_end`."""
-    steps = steps or PLAIN_STEPS
-    return _iteration(sess, steps, steps.evaluate(sess) if eval_due(sess) else None)
+def run_iteration(sess: Session) -> dict[str, float]:
+    """(evaluate) -> rollout -> filter -> update -> record -> (checkpoint): one iteration of :func:`run_to_end`
+    with the plain steps (no orchestration)."""
+    return _iteration(sess, PLAIN_STEPS, PLAIN_STEPS.evaluate(sess) if eval_due(sess) else None)
 
 
 def _iteration(sess: Session, steps: Steps, val: dict[str, float] | None) -> dict[str, float]:
