@@ -267,7 +267,8 @@ class AlgorithmConfig:
         "none", "multiply advantages by the kept fraction of groups (linear) or its square root")
     filter_on: Literal["return", "total"] = F(
         "return", "what the filter's in-group std is taken of: return = raw env return (penalties excluded); "
-                  "total = env return + format penalties, group-normalised under grpo (the reference's)")
+                  "total = env return + format penalties, group-normalised under grpo and gigpo (the "
+                  "reference's)")
     old_logprobs: Literal["rollout", "recompute"] = F(
         "rollout", "PPO's old log-probs: the rollout engine's (as sampled), or the trainer's own, recomputed by one "
                    "forward before the update (vLLM and the trainer differ in kernels and precision)")

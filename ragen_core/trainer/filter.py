@@ -11,7 +11,7 @@ values arranged as [P groups, N responses]; the choice is
 scores and maps kept groups back to batch rows. Reward scores are taken of ``algorithm.filter_on``:
 ``return`` ranks the raw env returns (penalties excluded; ours, the default); ``total`` ranks env
 return + format penalties, group-normalised first ((R − mean) / (std + 1e-6), as
-``advantages.grpo``) under the grpo estimator: what the reference's filter ranks (its
+``advantages.grpo``) under the grpo and gigpo estimators: what the reference's filter ranks (its
 ``original_rm_scores`` alias the normalised, penalised scores). Entropy scores use each
 trajectory's mean −log p of its sampled tokens (a Monte-Carlo estimate of its token entropy, free
 from the rollout's log-probs). The ``rollout/reward_std_*`` metrics always describe raw env
@@ -118,7 +118,7 @@ def filter_batch(
     scores = returns
     if algo.filter_on == "total":
         scores = _row_returns(env_returns, batch, "total_return")  # [B]
-        if algo.estimator == "grpo":
+        if algo.estimator in ("grpo", "gigpo"):  # the critic-free estimators normalise returns in their group
             scores = advantages.grpo(scores, batch.group_ids)  # [B]
     by_group, _, rows = filtering.group_matrix(returns, batch.group_ids)  # [P, N], [P], [P, N]
     kind, reduce = GROUP_SCORES[algo.filter_metric]

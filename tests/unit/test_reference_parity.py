@@ -151,6 +151,19 @@ def test_filter_on_total_counts_format_penalties() -> None:
     assert on_total.metrics["rollout/reward_std_kept"] == 0.0
 
 
+@pytest.mark.parametrize(("estimator", "score_mean"), [
+    ("gae", (0.0 + 0.05) / 2),  # the raw totals' group stds: 0 and 0.05
+    ("grpo", (0.0 + 0.05 / (0.05 + 1e-6)) / 2),  # normalised first: group 1's values / (0.05 + 1e-6), group 0's 0
+    ("gigpo", (0.0 + 0.05 / (0.05 + 1e-6)) / 2),  # its episode advantage is grpo's: the same
+])
+def test_filter_on_total_normalises_in_the_group_under_the_critic_free_estimators(estimator: str,
+                                                                                  score_mean: float) -> None:
+    trajs = [_traj(0, 0.0, 0.0) for _ in range(4)] + [_traj(1, 0.0, p) for p in (-0.1, -0.1, -0.1, 0.0)]
+    got = filter_batch(_batch(trajs), trajs, AlgorithmConfig(filter_strategy="top_k", filter_value=0.5,
+                                                             filter_on="total", estimator=estimator))
+    assert got.metrics["rollout/filter_score_mean"] == pytest.approx(score_mean, rel=1e-9)
+
+
 # --------------------------------------------------------------------------- mini-batches
 
 
