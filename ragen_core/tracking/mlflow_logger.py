@@ -74,6 +74,11 @@ MAX_PARAMS_TAGS_PER_BATCH = 100
 # Set in os.environ (MLflow reads them per request) only where the user chose nothing.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
 MAX_BACKOFF_FACTOR = 10  # waits grow retry_interval_s x 1, 2, 4, 8, 10, 10, ... during one outage
+# A local sqlite store is busy, not down, while another process writes (the workers of a study share one file):
+# sqlite says "database is locked" after the 20 s busy timeout MLflow sets, or at once where two transactions
+# would wait for each other. Closing a run tries again after these waits, so that its final status lands instead
+# of waiting in the outbox.
+BUSY_CLOSE_WAITS_S = (1.0, 2.0, 4.0)
 
 # MLflow 3.17's UI (mlflow/server/js/build/static/js/main.c2f5f8d4.js): the ExperimentKind enum
 # (GENAI_DEVELOPMENT = "genai_development", CUSTOM_MODEL_DEVELOPMENT = "custom_model_development", ...) and the
@@ -99,6 +104,12 @@ order. Only a chart view not yet arranged by hand: the UI keeps a user's layout 
 def default_tracking_uri() -> str:
     """``$MLFLOW_TRACKING_URI`` when set (a team server), else ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
+
+
+def _is_busy(exc: Exception | None) -> bool:
+    """True when a local sqlite store was busy with another writer (worth a second try soon, unlike a server
+    that is down)."""
+    return exc is not None and "database is locked" in str(exc)
 
 
 def _is_rejection(exc: Exception) -> bool:
@@ -172,6 +183,7 @@ class MLflowLogger:
         self._params: dict[str, str] | None = None  # params already on the server (immutable there)
         self._lock = threading.RLock()
         self._failures = 0  # consecutive failed attempts (0 = healthy)
+        self._last_error: Exception | None = None  # of the last failed attempt
         self._retry_at = 0.0
         self._closed = False
         if (self._run_id is not None or not fresh) and not drain_only:
@@ -275,7 +287,13 @@ class MLflowLogger:
             return
         self._record({"kind": "status", "status": status, "ts": _now_ms()}, deliver=False)
         self._closed = True
-        if not self._deliver(force=True):
+        delivered = self._deliver(force=True)
+        for wait in BUSY_CLOSE_WAITS_S:
+            if delivered or not _is_busy(self._last_error):
+                break
+            time.sleep(wait)
+            delivered = self._deliver(force=True)
+        if not delivered:
             log.warning(
                 "MLflow tracking at %s: %d entries are still undelivered; they are kept in %s. "
                 "Deliver them later with ragen_core.tracking.deliver_pending(%r, %r).",
@@ -302,6 +320,7 @@ class MLflowLogger:
                 self._ensure_run()
                 self._send_pending()
             except Exception as exc:  # noqa: BLE001 -- no tracking failure may stop training
+                self._last_error = exc
                 self._failures += 1
                 factor = min(2 ** (self._failures - 1), MAX_BACKOFF_FACTOR)
                 self._retry_at = time.monotonic() + self.retry_interval_s * factor

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import sqlite3
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -317,3 +319,27 @@ def test_a_resumed_run_logs_each_metric_point_once(uri: str, tmp_path: Path) -> 
     plain.log_metrics({"val/x": 2.0}, step=0)
     plain.close()
     assert len(client.get_metric_history(plain.run_id, "val/x")) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_run_closed_while_another_process_writes_the_sqlite_store_still_ends(tmp_path: Path) -> None:
+    """A study's workers share one sqlite file: a close that meets another writer's transaction (held here for
+    21 s, past the 20 s busy timeout MLflow gives sqlite, so the first attempt fails with "database is locked")
+    tries again and the run ends FINISHED instead of staying RUNNING with its status in the outbox."""
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    log = MLflowLogger(uri, "busy", run_name="busy", outbox_dir=tmp_path / "run")
+    log.log_metrics({"env/success": 0.5}, step=0)
+    log.flush()
+    assert log.pending_count == 0
+    other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN EXCLUSIVE")  # what a writer in another process holds while it commits
+    release = threading.Timer(21.0, lambda: other.execute("COMMIT"))
+    release.start()
+    try:
+        log.close("FINISHED")
+    finally:
+        release.join()
+        other.close()
+    assert log.pending_count == 0
+    assert MlflowClient(uri).get_run(log.run_id).info.status == "FINISHED"
