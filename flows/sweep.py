@@ -80,7 +80,8 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
 
 STUDY_RUN_BYTES = 4 * 2**30
 """Memory a CPU run of a study is given when sizing how many run at a time: a run of the default model (the
-Bandit study's vanilla) peaks near 3 GiB resident."""
+Bandit study's vanilla) peaks near 3 GiB resident. Multi-turn runs take more (studies/echo-trap-frozenlake.yaml:
+7.6 and 10.9 GiB), which docs/how-to/studies.md says."""
 
 
 def study_workers(plan: SweepPlan) -> int:
@@ -183,9 +184,12 @@ def wait_for_run(run: Any, deployment: str, pickup_timeout_s: float, poll_s: flo
             time.sleep(poll_s)
 
 
+@flow(name="ragen-sweep-worker")
 def worker(sweep_file: str, overrides: list[str], parent_run_id: str | None) -> None:
     """One worker process of ``--workers N`` (``ragen sweep-worker``): trials until none is left to start, on a
-    GPU of its own where the machine offers GPUs."""
+    GPU of its own where the machine offers GPUs. A flow, so that its trials are sub-flows: SIGTERM then reaches
+    the trial's Optuna objective, which marks the trial interrupted (continued on resume), before Prefect's
+    outermost flow ends the process (as it does for the flow that got the signal)."""
     plan = plan_sweep(sweep_file, overrides)
     held = gpus.hold(1)
     if held:

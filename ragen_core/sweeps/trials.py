@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,10 @@ PARENT_ATTR = "mlflow_parent_run_id"
 STALLED_ATTR = "stalled"
 """Study user attribute: why the pool stopped taking trials (a worker wrote it; the sweep stops on it)."""
 
+STOP_GRACE_S = 120.0
+"""How long worker processes sent SIGTERM get to end their trials before they are killed: a trial's run closes its
+MLflow run KILLED and marks the trial interrupted, which took a FrozenLake worker more than 5 s."""
+
 TrialRunner = Callable[[dict[str, Any]], Any]
 """Runs one trial from its parameters (:func:`trial_parameters`); returns the run's result (with
 ``mlflow_run_id``) or None when it ran elsewhere."""
@@ -88,6 +93,21 @@ def resumable_run(run_dir: str | None) -> str | None:
     except ConfigError:
         return None
     return None if folder.config_problem() else folder.name
+
+
+def stop_workers(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the worker processes still running and wait for them, SIGKILL those alive ``grace_s`` later. A worker
+    sent SIGTERM ends its trial interrupted (the trial's run closed KILLED), so a resumed study continues that run."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def run_trials(plan: SweepPlan, study: optuna.Study, url: str, parent_run_id: str | None, workers: int,
