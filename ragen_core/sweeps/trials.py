@@ -167,6 +167,8 @@ def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str
     except BaseException as e:
         if not isinstance(e, Exception):  # Ctrl-C or a termination signal: run it again on resume
             trial.set_user_attr("interrupted", type(e).__name__)
+            if not isinstance(e, KeyboardInterrupt):  # Optuna ends a trial FAIL on Exception and Ctrl-C only:
+                trial.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # else it stays RUNNING until stale
         raise
     if result is not None:
         trial.set_user_attr("mlflow_run_id", result.mlflow_run_id)

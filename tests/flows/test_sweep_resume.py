@@ -51,6 +51,10 @@ def test_a_sweep_interrupted_mid_run_continues_its_runs(data_dir, tmp_path) -> N
     proc.wait(timeout=180)
     # the command ended only once its workers had (a scheduler's job ends with its main process)
     assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE], log.read_text()[-3000:]
+    # both trials ended FAIL, marked interrupted (not left RUNNING until their heartbeat goes stale, which would
+    # count against retries)
+    first = optuna.load_study(study_name="resumed", storage=f"sqlite:///{data_dir}/optuna.db").trials
+    assert [(t.state.name, t.user_attrs.get("interrupted")) for t in first] == [("FAIL", "TerminationSignal")] * 2
     runs = sorted((data_dir / "runs").iterdir())
     assert len(runs) == 2
     before = {run.name: (run / "history.jsonl").read_text().splitlines() for run in runs}
