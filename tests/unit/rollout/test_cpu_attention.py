@@ -157,7 +157,7 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", chosen]
 
 @pytest.mark.usefixtures("needs_compiler")
 def test_the_build_for_an_avx2_cpu_matches_too() -> None:
-    """The kernel as built for a CPU with AVX2 only (scores 8 keys at a time), on this machine: torch told to run
+    """The kernel as built for a CPU with AVX2 only (scores 8 keys at a time), on any CPU with AVX2: torch told to run
     at that capability (ATEN_CPU_CAPABILITY, which can only lower it) in a child process, where this file's
     numerical tests pass with that build. (The plain loop of a CPU with neither is left out: one more build.)"""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
