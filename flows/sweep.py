@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import prefect.deployments
@@ -42,6 +43,7 @@ from ragen_core.sweeps.trials import (
     check_pool_launch,
     close_lost_runs,
     open_parent_run,
+    run_memory,
     run_trials,
     run_worker,
     trial_histories,
@@ -79,14 +81,16 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
 
 
 STUDY_RUN_BYTES = 4 * 2**30
-"""Memory a CPU run of a study is given when sizing how many run at a time: a run of the default model (the
-Bandit study's vanilla) peaks near 3 GiB resident. Multi-turn runs take more (studies/echo-trap-frozenlake.yaml:
-7.6 and 10.9 GiB), which docs/how-to/studies.md says."""
+"""Memory a CPU run of a study is given when sizing how many run at a time, where the study neither sets
+``run_memory_gib`` nor has runs that measured their peak: a run of the default model (the Bandit study's vanilla)
+peaks near 3 GiB resident. Multi-turn runs take more (studies/echo-trap-frozenlake.yaml: 7.6 and 10.9 GiB), which
+those studies set."""
 
 
-def study_workers(plan: SweepPlan) -> int:
+def study_workers(plan: SweepPlan, say: Callable[[str], None] = print) -> int:
     """Runs at a time for ``ragen study`` without ``--workers``: two on a machine that offers no GPU, has two cores
-    or more and memory for two runs (:data:`STUDY_RUN_BYTES` each), each worker on half the cores
+    or more and memory for two runs (:func:`~ragen_core.sweeps.trials.run_memory`: ``run_memory_gib``, the largest
+    peak the study's runs measured, else :data:`STUDY_RUN_BYTES`), each worker on half the cores
     (:func:`worker_threads`); else one. Two runs of one thread each make more iterations than one run of two
     threads (vanilla StarPO on studies/echo-trap-bandit.yaml on two cores: an iteration each every 21.6 s against
     one every 16.9 s, 1.56x the throughput): small matmuls and the decode loop's Python leave one process short of
@@ -95,7 +99,12 @@ def study_workers(plan: SweepPlan) -> int:
 
     if plan.sweep.dispatch != "local" or gpus.offered() or (os.cpu_count() or 1) < 2:
         return 1
-    return 2 if psutil.virtual_memory().available >= 2 * STUDY_RUN_BYTES else 1
+    need, source = run_memory(plan, storage_url(plan.sweep), STUDY_RUN_BYTES)
+    available = psutil.virtual_memory().available
+    workers = 2 if available >= 2 * need else 1
+    say(f"[sweep] {workers} run(s) at a time: {available / 2**30:.1f} GiB available, a run needs "
+        f"{need / 2**30:.1f} GiB ({source}); --workers N to choose")
+    return workers
 
 
 def worker_threads(plan: SweepPlan, workers: int) -> int | None:

@@ -615,6 +615,9 @@ class SweepConfig:
                                    "(preset): mean and band over seeds, a table per group, the monitor judged")
     collapse_drop: float = F(0.15, "a study: a run collapsed when its validation success ended this far below "
                                    "its peak", gt=0.0, le=1.0)
+    run_memory_gib: float | None = F(None, "a study on a CPU (ragen study without --workers): memory one run needs, "
+                                           "GiB, to decide whether two run at a time; None: the largest peak its "
+                                           "runs measured so far (perf/peak_rss_gib), else 4", gt=0.0)
 
     def __post_init__(self) -> None:
         check_run_name(self.name, "name", MAX_NAME_PREFIX)  # data/sweeps/<name>, trials' runs <name>-tNNN-<time>

@@ -36,7 +36,9 @@ import contextlib
 import json
 import logging
 import math
+import resource
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -235,6 +237,7 @@ def open_session(
     pass rank 0's, see :func:`agree_run`). Every rank reads the checkpoint; rank 0 alone writes the folder.
     """
     check_world(cfg, distributed.world_size())
+    reset_peak_rss()  # perf/peak_rss_gib is this run's, also in a sweep worker that ran other trials before
     folder = RunDir.named(new_run_name(cfg)) if run_dir is None else RunDir(Path(run_dir))
     if distributed.is_main():
         folder.create()
@@ -466,6 +469,23 @@ def checkpoint_due(sess: Session) -> bool:
     return every > 0 and (sess.iteration % every == 0 or sess.done)
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak resident memory afresh where the kernel allows it (Linux: ``clear_refs`` 5 resets
+    VmHWM); elsewhere :func:`peak_rss_bytes` keeps counting from the process's start."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: Linux's VmHWM (since :func:`reset_peak_rss`), else ``ru_maxrss``."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # in kB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux and the BSDs
+
+
 def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection, stats: UpdateStats,
                      val: dict[str, float] | None, diagnostics: dict[str, float] | None = None) -> dict[str, float]:
     """Health checks, metrics to the logger, the Parquet shard, readable samples, one summary line."""
@@ -473,6 +493,7 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
     metrics = {**rollouts.metrics, **selection.metrics, **stats.metrics, **(val or {}), **(diagnostics or {})}
     now = time.perf_counter()
     metrics["timing/iteration_s"], sess.last_record = now - sess.last_record, now
+    metrics["perf/peak_rss_gib"] = peak_rss_bytes() / 2**30
     report = sess.monitor.update(step, metrics.get("rollout/reward_std_all", metrics.get("rollout/reward_std", 0.0)),
                                  metrics.get("actor/entropy", 0.0), metrics.get("actor/grad_norm", 0.0),
                                  metrics.get("rollout/success", math.nan))

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ragen_core.session import Session
 
 __all__ = [
+    "PEAK_RSS_ATTR",
     "PRUNED_REASON",
     "RESULT_ATTRS",
     "STORAGE_ENV",
@@ -78,8 +79,10 @@ __all__ = [
 log = logging.getLogger("ragen")
 
 PRUNED_REASON = "pruned by optuna"
+PEAK_RSS_ATTR = "peak_rss_bytes"
+"""The user attribute holding a trial's run's peak resident memory (its process's ``perf/peak_rss_gib``)."""
 RESULT_ATTRS = ("curve", "val", "cost", "pruned_at", "health_stop", "mlflow_run_id", "run_dir", "skipped",
-                "interrupted")
+                "interrupted", PEAK_RSS_ATTR)
 """User attributes a trial writes; cleared at the start of a trial (a retry inherits the failed one's)."""
 
 
@@ -220,6 +223,8 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
     """
     import optuna  # lazily: see the note at the top
 
+    from ragen_core.session import peak_rss_bytes  # torch: the trial's process has it loaded already
+
     storage = open_storage(str(spec["storage"]))  # no heartbeat here: the worker running the objective beats
     name, number = str(spec["study_name"]), int(spec["trial_number"])
     study = optuna.load_study(study_name=name, storage=storage,
@@ -242,8 +247,10 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
         cost = {kind: run_cost(sess.history, kind) for kind in COST_KEYS}
         # this process's share (a resumed run: since resume)
         cost["wall_seconds"] = round(time.monotonic() - started, 3)
+        # the run's peak memory, over its parts when resumed: how many runs fit at a time (flows/sweep.py)
+        peak = max(int(storage.get_trial(trial_id).user_attrs.get(PEAK_RSS_ATTR) or 0), peak_rss_bytes())
         for key, attr in (("run_dir", str(sess.run_dir)), ("curve", curve), ("val", per_env), ("cost", cost),
-                          ("mlflow_run_id", sess.logger.run_id)):
+                          ("mlflow_run_id", sess.logger.run_id), (PEAK_RSS_ATTR, peak)):
             storage.set_trial_user_attr(trial_id, key, attr)
         if sess.stop_reason and sess.stop_reason.startswith(HEALTH_STOP):  # a health rule ended the run
             storage.set_trial_user_attr(trial_id, "health_stop", sess.stop_reason)

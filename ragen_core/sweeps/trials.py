@@ -29,6 +29,7 @@ from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics
 from ragen_core.sweeps.objective import objective_value
 from ragen_core.sweeps.space import SweepPlan, suggest_params, trial_experiment
 from ragen_core.sweeps.study import (
+    PEAK_RSS_ATTR,
     RESULT_ATTRS,
     DuplicateTrial,
     duplicate_of,
@@ -93,6 +94,23 @@ def resumable_run(run_dir: str | None) -> str | None:
     except ConfigError:
         return None
     return None if folder.config_problem() else folder.name
+
+
+def run_memory(plan: SweepPlan, url: str, default_bytes: int) -> tuple[int, str]:
+    """Memory one run of the study needs, in bytes, and where the figure comes from: the sweep's
+    ``run_memory_gib``, else the largest peak its runs measured so far (a resumed study), else ``default_bytes``."""
+    import optuna  # lazily: see the note at the top
+
+    if plan.sweep.run_memory_gib is not None:
+        return int(plan.sweep.run_memory_gib * 2**30), "run_memory_gib"
+    try:
+        trials = optuna.load_study(study_name=plan.sweep.name, storage=url).get_trials(deepcopy=False)
+    except KeyError:  # a new study
+        trials = []
+    measured = max((int(t.user_attrs.get(PEAK_RSS_ATTR) or 0) for t in trials), default=0)
+    if measured:
+        return measured, "the largest peak its runs measured"
+    return default_bytes, "the default"
 
 
 def stop_workers(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> None:
@@ -188,7 +206,7 @@ def _start_trial(trial: optuna.Trial, plan: SweepPlan, keep_curve: bool = False)
     (``keep_curve``), with that run's folder and the curve it reported so far; a trial whose grid point another
     trial has run or is running is skipped (DuplicateTrial)."""
     if "failed_trial" in trial_record(trial.study, trial.number).system_attrs:
-        kept = ("curve", "run_dir", "mlflow_run_id") if keep_curve else ()
+        kept = ("curve", "run_dir", "mlflow_run_id", PEAK_RSS_ATTR) if keep_curve else ()
         for key in RESULT_ATTRS:  # a retry inherits the lost trial's attributes
             if key not in kept:
                 trial.set_user_attr(key, None)

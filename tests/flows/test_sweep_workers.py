@@ -34,6 +34,8 @@ def test_two_workers_share_one_sqlite_study(data_dir, tmp_path) -> None:
     assert len(skipped) <= 1, summary
     check_each_point_once(study, [{"responses_per_prompt": n} for n in (1, 2, 4)])
     assert "3 trials (COMPLETE 3, PRUNED 0, FAIL 0)" in summary
+    # each run's peak resident memory, for sizing how many run at a time (flows/sweep.py study_workers)
+    assert all(t.user_attrs["peak_rss_bytes"] > 100 * 2**20 for t in study.trials if t.state.name == "COMPLETE")
     workers = {t.user_attrs["worker"] for t in study.trials}
     assert len(workers) == 2 and not any(w.endswith(f":{os.getpid()}") for w in workers)
     parent = study.user_attrs["mlflow_parent_run_id"]
@@ -45,30 +47,49 @@ def test_two_workers_share_one_sqlite_study(data_dir, tmp_path) -> None:
     assert all(r.info.status == "FINISHED" for r in children)
 
 
-def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch) -> None:
+def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_path) -> None:
     """`ragen study` without --workers: two runs at a time, each on half the cores, where no GPU is offered, there
-    are 2+ cores and memory for two runs; one otherwise. An OMP_NUM_THREADS set by the user is kept."""
+    are 2+ cores and memory for two runs; one otherwise. A run's memory: the study's run_memory_gib, else the
+    largest peak its runs measured (a resumed study), else 4 GiB. An OMP_NUM_THREADS set by the user is kept."""
     from types import SimpleNamespace
 
     import psutil
 
     from flows import sweep as sweep_module
 
-    def plan(dispatch: str = "local") -> SimpleNamespace:
-        return SimpleNamespace(sweep=SimpleNamespace(dispatch=dispatch))
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+
+    def plan(dispatch: str = "local", gib: float | None = None, name: str = "fresh") -> SimpleNamespace:
+        return SimpleNamespace(sweep=SimpleNamespace(dispatch=dispatch, run_memory_gib=gib, name=name,
+                                                     storage=storage))
 
     def machine(cores: int, free_gib: float, offered: list[str]) -> None:
         monkeypatch.setattr(sweep_module.os, "cpu_count", lambda: cores)
         monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=int(free_gib * 2**30)))
         monkeypatch.setattr(sweep_module.gpus, "offered", lambda: offered)
 
+    said: list[str] = []
     machine(2, 20, [])
-    assert sweep_module.study_workers(plan()) == 2 and sweep_module.worker_threads(plan(), 2) == 1
+    assert sweep_module.study_workers(plan(), said.append) == 2 and sweep_module.worker_threads(plan(), 2) == 1
+    assert said == ["[sweep] 2 run(s) at a time: 20.0 GiB available, a run needs 4.0 GiB (the default); "
+                    "--workers N to choose"]
     assert sweep_module.study_workers(plan("deployment")) == 1  # a pool's workers set the pace
+    assert sweep_module.study_workers(plan(gib=11), said.append) == 1  # two would need 22 GiB
+    assert said[-1].endswith("a run needs 11.0 GiB (run_memory_gib); --workers N to choose")
+    study = optuna.create_study(study_name="measured", storage=storage)
+    for peak in (3 * 2**30, 11 * 2**30, None):  # a trial that reported no evaluation has no peak
+        trial = study.ask()
+        if peak is not None:
+            trial.set_user_attr("peak_rss_bytes", peak)
+    assert sweep_module.study_workers(plan(name="measured"), said.append) == 1
+    assert said[-1].endswith("a run needs 11.0 GiB (the largest peak its runs measured); --workers N to choose")
+    assert sweep_module.study_workers(plan(name="measured", gib=4), said.append) == 2  # the setting wins
+    machine(2, 23, [])
+    assert sweep_module.study_workers(plan(name="measured"), said.append) == 2
     machine(8, 20, [])
     assert sweep_module.worker_threads(plan(), 2) == 4 and sweep_module.worker_threads(plan(), 1) is None
-    machine(2, 6, [])  # room for one run (4 GiB each)
-    assert sweep_module.study_workers(plan()) == 1
+    machine(2, 6, [])  # room for one run of 4 GiB
+    assert sweep_module.study_workers(plan(), said.append) == 1
     machine(1, 20, [])
     assert sweep_module.study_workers(plan()) == 1
     machine(16, 100, ["GPU-a", "GPU-b"])  # GPUs: one run unless asked (each worker then holds a GPU)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from ragen_core.config import ConfigError, EvalConfig, ExperimentConfig
@@ -189,3 +191,23 @@ def test_the_gradient_analysis_leaves_training_untouched(tmp_path, monkeypatch) 
         same = {k: v for k, v in a.items() if not k.startswith(("timing/", "grad/", "perf/"))}
         assert {k: b[k] for k in same} == pytest.approx(same, rel=0, abs=0, nan_ok=True)  # bit for bit
         assert {"actor/pg_loss", "actor/grad_norm", "rollout/success"} <= same.keys()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the peak is reset only on Linux (clear_refs)")
+def test_peak_memory_is_measured_and_starts_afresh_with_each_run() -> None:
+    """perf/peak_rss_gib: a run's peak resident memory, reset when a run opens, so that a sweep worker's second
+    trial does not inherit the first one's peak."""
+    import numpy as np
+
+    from ragen_core.session import peak_rss_bytes, reset_peak_rss
+
+    reset_peak_rss()
+    before = peak_rss_bytes()
+    block = np.ones(300 * 2**20 // 8)  # 300 MiB, every page written
+    high = peak_rss_bytes()
+    assert high >= before + 250 * 2**20
+    del block
+    assert peak_rss_bytes() >= high - 16 * 2**20  # the peak stays when the memory is freed (the kernel's counts
+    # are per-CPU and lag by up to a few hundred kB)
+    reset_peak_rss()
+    assert peak_rss_bytes() <= high - 250 * 2**20
