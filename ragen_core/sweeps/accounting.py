@@ -8,6 +8,10 @@ collapse at all. Here a run's success curve (validation where it has one,
 
 - ``converged``: from ``start``, the first step from which every point is within ``drop`` of the run's best, to
   its last step, when the run does not end in a collapse; ``level`` is the mean success there.
+- ``no progress``: instead of ``converged``, the whole run when it never rose ``drop`` above its first point and
+  that point was not within ``drop`` of full success (1.0): nothing was learned, so there was nothing to converge
+  to (on a multi-turn env a run can stay at its start while its replies lose their reasoning). ``level`` is its
+  mean success.
 - ``sustained collapse``: the run ends at least ``drop`` below its best (:func:`aggregate.collapse_at` gives
   ``start``, from which it stayed there); ``depth`` is the best minus the lowest point from ``start`` on.
 - ``transient dip``: a stretch of points at least ``drop`` below the best so far, ended by a point back within
@@ -25,7 +29,9 @@ Without the format metric, a cap share of at least half gives ``length cap``.
 
 :func:`score` judges each monitor signal per episode: on a collapse, a dip or an eruption ``hit`` (it fired in
 the ``lead`` steps up to the episode's start), ``late`` (it fired during the episode) or ``miss``; on a converged
-episode ``false alarm`` (it fired inside it, and not within ``lead`` steps before a failure episode) or ``quiet``.
+episode ``false alarm`` (it fired inside it, and not within ``lead`` steps before a failure episode) or ``quiet``;
+on a no-progress episode ``fired`` (the same test) or ``quiet``: with no success to lose, a warning there is
+neither confirmed nor refuted by the success curve, and the replies say more.
 
 Pure Python over plain data, like the rest of ``sweeps``; tested on hand-made curves
 (``tests/unit/test_study_accounting.py``).
@@ -41,12 +47,19 @@ from dataclasses import dataclass
 from ragen_core.sweeps.aggregate import RULE_PATIENCE_KEYS, SIGNALS, Series, collapse_at
 from ragen_core.tracking.run_history import RunHistory, success_series
 
-__all__ = ["CLASSES", "FAILURES", "MODE_METRICS", "Episode", "EpisodeVerdict", "accounting_markdown", "episodes",
+__all__ = ["CLASSES", "FAILURES", "MODE_METRICS", "VERDICTS", "Episode", "EpisodeVerdict", "accounting_markdown", "episodes",
            "failure_mode", "fire_steps", "score", "verdict_counts"]
 
-CLASSES = ("converged", "sustained collapse", "transient dip", "entropy eruption")
+CLASSES = ("converged", "no progress", "sustained collapse", "transient dip", "entropy eruption")
 FAILURES = ("sustained collapse", "transient dip", "entropy eruption")
-"""The classes a signal should warn of; the other one (converged) it should stay quiet on."""
+"""The classes a signal should warn of; it should stay quiet on a converged run, and a no-progress run has no
+success to lose."""
+FAILURE_VERDICTS = ("hit", "late", "miss")
+CONVERGED_VERDICTS = ("false alarm", "quiet")
+NO_PROGRESS_VERDICTS = ("fired", "quiet")
+VERDICTS = {**dict.fromkeys(FAILURES, FAILURE_VERDICTS), "converged": CONVERGED_VERDICTS,
+            "no progress": NO_PROGRESS_VERDICTS}
+"""The verdicts a signal can get on each class."""
 MODE_METRICS = {"format": "rollout/format_ok_ratio", "length cap": "response/clip_ratio"}
 """The training metrics the failure mode is read from."""
 
@@ -64,7 +77,7 @@ class Episode:
     duration: int | None = None
     """Dip: steps from its first low point to the recovery; eruption: steps from its first high point to its last."""
     level: float | None = None
-    """Converged: mean success over the episode; eruption: the highest entropy over its early level."""
+    """Converged and no progress: mean success over the episode; eruption: the highest entropy over its early level."""
     mode: str | None = None
     """Collapse and dip: format, length cap or wrong action (module docstring); None where the metrics are missing."""
     trough: int | None = None
@@ -154,6 +167,8 @@ def episodes(run: RunHistory, drop: float = 0.15, eruption: float = 1.5, baselin
             trough, low = min(after, key=lambda p: (p[1], p[0]))
             out.append(Episode("sustained collapse", fell, last, depth=best - low, mode=failure_mode(run, trough),
                                trough=trough))
+        elif best < points[0][1] + drop - 1e-12 and points[0][1] < 1.0 - drop - 1e-12:
+            out.append(Episode("no progress", points[0][0], last, level=statistics.fmean(v for _, v in points)))
         else:
             start = last
             for step, value in reversed(points):
@@ -186,7 +201,7 @@ class EpisodeVerdict:
     signal: str
     episode: Episode
     verdict: str
-    """hit, late or miss (failure episodes); false alarm or quiet (converged)."""
+    """hit, late or miss (failure episodes); false alarm or quiet (converged); fired or quiet (no progress)."""
     fired_at: int | None
     """The step that decided it: the first fire in the hit window, during the episode, or inside it."""
 
@@ -207,7 +222,8 @@ def score(run: RunHistory, group: str, patience: Mapping[str, int], drop: float 
             else:
                 warned = [f for f in fires if ep.start <= f <= ep.end
                           and not any(e.start - lead <= f <= e.end for e in failures)]
-                verdict, at = ("false alarm", warned[0]) if warned else ("quiet", None)
+                up = "false alarm" if ep.kind == "converged" else "fired"
+                verdict, at = (up, warned[0]) if warned else ("quiet", None)
             out.append(EpisodeVerdict(run.name, group, signal, ep, verdict, at))
     return out
 
@@ -221,10 +237,6 @@ def verdict_counts(verdicts: Sequence[EpisodeVerdict]) -> dict[tuple[str, str], 
     return out
 
 
-FAILURE_VERDICTS = ("hit", "late", "miss")
-CONVERGED_VERDICTS = ("false alarm", "quiet")
-
-
 def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -233,7 +245,8 @@ def accounting_markdown(verdicts: Sequence[EpisodeVerdict], lead: int) -> list[s
     """The study report's accounting section: every run's episodes, then each signal's verdicts per class."""
     lines = ["## What each run did", "",
              ("Episodes of each run's success curve (module sweeps/accounting.py): converged (level = mean success "
-              "there), sustained collapse and transient dip (depth = success lost, duration in iterations, failure "
+              "there), no progress (never rose the collapse drop above its first point; level = mean success), "
+              "sustained collapse and transient dip (depth = success lost, duration in iterations, failure "
               "mode at the lowest point), entropy eruption (level = highest entropy over its early level)."), "",
              "| run | group | class | from | to | depth | duration | level | mode |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -245,18 +258,20 @@ def accounting_markdown(verdicts: Sequence[EpisodeVerdict], lead: int) -> list[s
         e = v.episode
         lines.append(f"| {v.run} | {v.group} | {e.kind} | {e.start} | {e.end} | {_fmt(e.depth)} | "
                      f"{'-' if e.duration is None else e.duration} | {_fmt(e.level)} | {e.mode or '-'} |")
+    columns = list(dict.fromkeys((*FAILURE_VERDICTS, *CONVERGED_VERDICTS, *NO_PROGRESS_VERDICTS)))
     lines += ["", "## The monitor per class", "",
               (f"On a failure class: hit = the signal was up in the {lead} iterations up to the episode's start, "
                "late = only during it, miss = never. On a converged episode: false alarm = up inside it (and not "
-               f"within {lead} iterations before a failure), quiet = not."), "",
-              "| signal | class | " + " | ".join((*FAILURE_VERDICTS, *CONVERGED_VERDICTS)) + " |",
-              "|---|---|" + "---|" * (len(FAILURE_VERDICTS) + len(CONVERGED_VERDICTS))]
+               f"within {lead} iterations before a failure), quiet = not. On a no-progress episode: fired = up "
+               "inside it (the same test), quiet = not; the success curve cannot tell whether such a warning was "
+               "right."), "",
+              "| signal | class | " + " | ".join(columns) + " |",
+              "|---|---|" + "---|" * len(columns)]
     counts = verdict_counts(verdicts)
     for signal in SIGNALS:
         for kind in CLASSES:
             cell = counts.get((signal, kind))
             if cell:
                 lines.append(f"| {signal} | {kind} | " + " | ".join(
-                    str(cell.get(k, 0)) if (k in FAILURE_VERDICTS) == (kind in FAILURES) else "-"
-                    for k in (*FAILURE_VERDICTS, *CONVERGED_VERDICTS)) + " |")
+                    str(cell.get(k, 0)) if k in VERDICTS[kind] else "-" for k in columns) + " |")
     return lines

@@ -25,6 +25,24 @@ def test_a_run_that_rises_and_stays_is_converged_from_where_it_stayed_near_its_b
     assert ep.level == pytest.approx(2.92 / 3)
 
 
+def test_a_run_that_never_rose_above_its_start_made_no_progress_and_a_warning_there_is_only_fired() -> None:
+    # 4x4 FrozenLake at its start: 0.14 and no higher than 0.22 (under 0.14 + 0.15); the template rule's streak
+    # reaches its patience at 20 while nothing was learned
+    run = _run([(0, 0.14), (5, 0.22), (10, 0.12), (15, 0.2), (20, 0.12), (25, 0.14)],
+               health__template_streak=[(15, 1.0), (20, 2.0)])
+    [ep] = episodes(run, drop=0.15)
+    assert (ep.kind, ep.start, ep.end) == ("no progress", 0, 25)
+    assert ep.level == pytest.approx(0.94 / 6)
+    verdicts = {(v.signal, v.episode.kind): (v.verdict, v.fired_at) for v in score(run, "g", PATIENCE)}
+    assert verdicts[("template", "no progress")] == ("fired", 20)
+    assert verdicts[("echo_trap", "no progress")] == ("quiet", None)
+    # one that rose 0.15 or more is converged; one that started within 0.15 of full success has nowhere to rise
+    assert [e.kind for e in episodes(_run([(0, 0.14), (5, 0.3), (10, 0.29)]), drop=0.15)] == ["converged"]
+    assert [e.kind for e in episodes(_run([(0, 0.9), (5, 0.95), (10, 0.92)]), drop=0.15)] == ["converged"]
+    # a collapse from where it started is still a collapse
+    assert [e.kind for e in episodes(_run([(0, 0.5), (5, 0.55), (10, 0.1)]), drop=0.15)] == ["sustained collapse"]
+
+
 def test_a_dip_that_recovers_is_transient_with_its_depth_duration_and_mode() -> None:
     # seed 1 of the study: 1.00 -> 0.02 -> 1.00. Training metrics at the trough: replies parse, none at the cap
     run = _run([(0, 0.6), (5, 1.0), (10, 0.5), (15, 0.02), (20, 1.0), (25, 1.0)],

@@ -152,10 +152,11 @@ def test_write_study_files(tmp_path: Path) -> None:
     row = dict(zip(header, next(r for r in per_run if r.startswith("starpo-1,starpo,1,5,")).split(","), strict=True))
     assert float(row["val/success"]) == pytest.approx(0.5) and float(row["actor/entropy"]) == pytest.approx(6.0)
     assert len(per_run) == 1 + 4 * 6  # four runs, entropy at steps 0-5
-    # the accounting: starpo seed 1 stayed at 0.5 (converged from step 0), the others rose to 0.8 at step 5
+    # the accounting: starpo seed 1 stayed at 0.5 (no progress), the others rose to 0.8 at step 5
     # (converged from there); starpo's entropy rose 1, 2, ..., 6: over 1.5 x the mean of its first 3 points (2)
     # from step 3, up to 6 / 2 = 3 times it
-    assert "| starpo-1 | starpo | converged | 0 | 5 | - | - | 0.50 | - |" in md
+    assert "| starpo-1 | starpo | no progress | 0 | 5 | - | - | 0.50 | - |" in md
+    assert "| template | no progress | - | - | - | - | 1 | 0 |" in md  # columns hit, late, miss, false alarm, quiet, fired
     assert "| starpo-s-0 | starpo-s | converged | 5 | 5 | - | - | 0.80 | - |" in md
     assert "| starpo-0 | starpo | entropy eruption | 3 | 5 | - | 2 | 3.00 | - |" in md
     assert "| echo_trap | entropy eruption | 0 | 0 | 2 | - | - |" in md
