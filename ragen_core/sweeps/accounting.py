@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from ragen_core.sweeps.aggregate import RULE_PATIENCE_KEYS, SIGNALS, Series, collapse_at
 from ragen_core.tracking.run_history import RunHistory, success_series
 
-__all__ = ["CLASSES", "FAILURES", "MODE_METRICS", "VERDICTS", "Episode", "EpisodeVerdict", "accounting_markdown", "episodes",
-           "failure_mode", "fire_steps", "score", "verdict_counts"]
+__all__ = ["CLASSES", "FAILURES", "MODE_METRICS", "VERDICTS", "Episode", "EpisodeVerdict", "accounting_markdown",
+           "episodes", "failure_mode", "fire_steps", "score", "verdict_counts"]
 
 CLASSES = ("converged", "no progress", "sustained collapse", "transient dip", "entropy eruption")
 FAILURES = ("sustained collapse", "transient dip", "entropy eruption")

@@ -156,7 +156,8 @@ def test_write_study_files(tmp_path: Path) -> None:
     # (converged from there); starpo's entropy rose 1, 2, ..., 6: over 1.5 x the mean of its first 3 points (2)
     # from step 3, up to 6 / 2 = 3 times it
     assert "| starpo-1 | starpo | no progress | 0 | 5 | - | - | 0.50 | - |" in md
-    assert "| template | no progress | - | - | - | - | 1 | 0 |" in md  # columns hit, late, miss, false alarm, quiet, fired
+    # columns: hit, late, miss, false alarm, quiet, fired
+    assert "| template | no progress | - | - | - | - | 1 | 0 |" in md
     assert "| starpo-s-0 | starpo-s | converged | 5 | 5 | - | - | 0.80 | - |" in md
     assert "| starpo-0 | starpo | entropy eruption | 3 | 5 | - | 2 | 3.00 | - |" in md
     assert "| echo_trap | entropy eruption | 0 | 0 | 2 | - | - |" in md
