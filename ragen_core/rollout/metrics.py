@@ -15,19 +15,37 @@ return, unbiased as in the StarPO-S filter, averaged over groups of 2 or more),
 ``response/clip_ratio`` (replies cut at max_new_tokens). Under GiGPO the session adds
 ``rollout/step_group_share`` (:func:`step_group_share`).
 
+Template collapse read from the replies themselves (:func:`first_turn_metrics`, over each trajectory's first
+turn, where every member of a prompt group sees the same state): ``rollout/first_empty_think`` (share with no
+reasoning tokens), ``rollout/first_distinct`` (distinct reply texts / replies), ``rollout/first_top_share`` (the
+most common reply's share), ``rollout/first_action_mi`` (plug-in I(prompt group; first action) in nats, an
+unparsed reply counting as one more action) and ``rollout/first_action_mi_shuffled`` (the same with the actions
+shuffled across the batch, mean of :data:`MI_SHUFFLES`: what the estimator gives with no dependence at this
+sample size). A policy whose first move depends on the board keeps the MI above its shuffled level; a template
+brings the two together.
+
 Run its tests: ``.venv/bin/python -m pytest tests/unit/rollout/test_rollout_metrics.py -q``.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+
+import numpy as np
 
 from ragen_core.rollout.batch import turn_state_ids
 from ragen_core.types import Trajectory
 
-__all__ = ["group_reward_std", "pass_at_n", "rollout_metrics", "step_group_share"]
+__all__ = ["MI_SHUFFLES", "first_turn_metrics", "group_reward_std", "pass_at_n", "plugin_mi", "rollout_metrics",
+           "step_group_share"]
+
+MI_SHUFFLES = 20
+"""Shuffles behind ``rollout/first_action_mi_shuffled`` (seeded: the metric is a function of the batch)."""
+UNPARSED = "(unparsed)"
+"""The first action of a reply that did not parse."""
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -60,6 +78,35 @@ def step_group_share(trajectories: Sequence[Trajectory]) -> float:
     sizes = Counter((t.group_id, i) for t, row in zip(trajectories, ids, strict=True) for i in row)
     n_turns = sum(sizes.values())
     return sum(n for n in sizes.values() if n >= 2) / n_turns if n_turns else 0.0
+
+
+def plugin_mi(xs: Sequence[Hashable], ys: Sequence[Hashable]) -> float:
+    """The plug-in mutual information of paired samples, in nats: sum over (x, y) of p(x, y) log p(x, y) / p(x) p(y)
+    with every p a count share."""
+    n = len(xs)
+    if n != len(ys):
+        raise ValueError(f"plugin_mi needs paired samples, got {n} and {len(ys)}")
+    cx, cy, cxy = Counter(xs), Counter(ys), Counter(zip(xs, ys, strict=True))
+    return sum(c / n * math.log(c * n / (cx[x] * cy[y])) for (x, y), c in cxy.items())
+
+
+def first_turn_metrics(trajectories: Sequence[Trajectory], shuffles: int = MI_SHUFFLES) -> dict[str, float]:
+    """The first-turn reply metrics of the module docstring; empty when no trajectory has a turn."""
+    firsts = [(t.env_tag, t.group_id, t.turns[0]) for t in trajectories if t.turns]
+    if not firsts:
+        return {}
+    groups = [(tag, g) for tag, g, _ in firsts]
+    actions = [x.actions[0] if x.parse_ok and x.actions else UNPARSED for _, _, x in firsts]
+    texts = Counter(x.response_text for _, _, x in firsts)
+    rng = np.random.default_rng(0)
+    shuffled = [plugin_mi(groups, [actions[i] for i in rng.permutation(len(actions))]) for _ in range(shuffles)]
+    return {
+        "rollout/first_empty_think": _mean([float(x.think_tokens == 0) for _, _, x in firsts]),
+        "rollout/first_distinct": len(texts) / len(firsts),
+        "rollout/first_top_share": texts.most_common(1)[0][1] / len(firsts),
+        "rollout/first_action_mi": plugin_mi(groups, actions),
+        "rollout/first_action_mi_shuffled": _mean(shuffled),
+    }
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -97,4 +144,5 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "response/think_length_mean": _mean([float(x.think_tokens) for x in turns]),
         "response/clip_ratio": _mean([float(x.finish_reason == "length") for x in turns]),
     })
+    out.update(first_turn_metrics(trajectories))
     return out

@@ -37,6 +37,7 @@ from ragen_core.tracking.run_history import RunHistory, success_series
 __all__ = [
     "GRAD_COLUMNS",
     "MOVE_SIGNALS",
+    "REPLY_METRICS",
     "RULE_PATIENCE_KEYS",
     "RUN_CSV_METRICS",
     "SIGNALS",
@@ -55,6 +56,7 @@ __all__ = [
     "group_table",
     "judge",
     "monitor_rows",
+    "reply_markdown",
     "rule_patience",
     "run_rows",
     "signal_fires",
@@ -99,10 +101,14 @@ def rule_patience(health: HealthConfig | None = None) -> dict[str, int]:
 STUDY_PREFIXES = ("grad/",)
 """Metric-name prefixes a study reads whole from each run: names that depend on the run's settings."""
 
+REPLY_METRICS = ("rollout/first_empty_think", "rollout/first_distinct", "rollout/first_top_share",
+                 "rollout/first_action_mi", "rollout/first_action_mi_shuffled")
+"""Template collapse read from the replies (rollout/metrics.py ``first_turn_metrics``); a study fills them in from
+a run's trajectory shards where its tracking lacks them (trials.py ``with_reply_metrics``)."""
 RUN_CSV_METRICS = ("val/success", "rollout/success", "rollout/reward_std_all", "rollout/reward_std_kept",
                    "actor/entropy", "actor/grad_norm", "response/length_mean", "response/clip_ratio",
-                   "rollout/format_ok_ratio", "collapse/first_turn/mi", "health/early_warning", "health/level_gap",
-                   "timing/update_s", "timing/rollout_s")
+                   "response/think_length_mean", "rollout/format_ok_ratio", "collapse/first_turn/mi",
+                   *REPLY_METRICS, "health/early_warning", "health/level_gap", "timing/update_s", "timing/rollout_s")
 """The columns of a study's per-run curves (runs.csv), one row per run and iteration."""
 
 
@@ -451,6 +457,37 @@ def run_rows(groups: Mapping[str, Sequence[RunHistory]]) -> list[list[object]]:
     return rows
 
 
+def reply_markdown(groups: Mapping[str, Sequence[RunHistory]], span: int = 3) -> list[str]:
+    """Each run's first-turn reply metrics (:data:`REPLY_METRICS`) at its start and its end: the mean over its
+    first and its last ``span`` iterations. Empty when no run has them."""
+    rows = []
+    for group, runs in groups.items():
+        for run in runs:
+            mi, shuffled = run.histories.get("rollout/first_action_mi", ()), run.histories.get(
+                "rollout/first_action_mi_shuffled", ())
+            if not mi or not shuffled:
+                continue
+            excess = tuple((s, v - dict(shuffled)[s]) for s, v in mi if s in dict(shuffled))
+
+            def ends(series: Series) -> str:
+                values = [float(v) for _, v in sorted(series) if math.isfinite(float(v))]
+                if not values:
+                    return "-"
+                return f"{statistics.fmean(values[:span]):.2f} → {statistics.fmean(values[-span:]):.2f}"
+
+            rows.append((run.name, group, ends(excess), *(ends(run.histories.get(k, ())) for k in (
+                "rollout/first_empty_think", "rollout/first_distinct", "rollout/first_top_share"))))
+    if not rows:
+        return []
+    return ["", "## Template signals in the replies", "",
+            (f"Each run's first-turn replies (every member of a prompt group sees the same state), mean of its first "
+             f"{span} iterations → its last {span}: I(state; first action) above its shuffled level (nats; near 0: "
+             "the first move does not depend on the state), the share with no reasoning tokens, distinct reply "
+             "texts per reply, and the most common reply's share (module rollout/metrics.py)."), "",
+            *_md(["run", "group", "I(state; first action) − shuffled", "empty think", "distinct", "top reply"],
+                 rows)]
+
+
 def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "preset", drop: float = 0.15,
                 patience: Mapping[str, int] | None = None, title: str = "study", lead: int = 10) -> dict[str, Path]:
     """study.md, groups.csv, monitor.csv, episodes.csv (sweeps/accounting.py: what each run did and the
@@ -472,7 +509,7 @@ def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "pres
     report = study_markdown(title, table, judgements, moves, drop)
     grads = grad_rows(groups)
     paths["md"].write_text(report + "\n" + "\n".join([*accounting.accounting_markdown(verdicts, lead),
-                                                       *grad_markdown(grads)]) + "\n")
+                                                       *grad_markdown(grads), *reply_markdown(groups)]) + "\n")
     if grads:
         paths["grad"] = _write_csv(out_dir / "grad.csv", ["run", group_by, "seed", "iteration", "bucket",
                                                           *GRAD_COLUMNS], grads)

@@ -48,7 +48,7 @@ from ragen_core.tracking import MetricLogger, MLflowLogger, NullLogger, flatten_
 from ragen_core.tracking.factory import tracking_uri
 from ragen_core.tracking.history import fail_running_runs, fetch_runs
 from ragen_core.tracking.outbox import OutboxMismatch
-from ragen_core.tracking.run_history import RunHistory
+from ragen_core.tracking.run_history import RunHistory, Series
 from ragen_core.tracking.run_meta import experiment_name
 
 if TYPE_CHECKING:
@@ -292,5 +292,27 @@ def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> 
         return []
     fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics(),
                          STUDY_PREFIXES)
-    return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}})
+    return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}},
+                                histories=with_reply_metrics(f.history.histories, t.user_attrs.get("run_dir")))
             for f, t in zip(fetched, ran, strict=True)]
+
+
+def with_reply_metrics(histories: dict[str, Series], run_dir: str | None) -> dict[str, Series]:
+    """``histories`` with the first-turn reply metrics (``rollout.metrics.first_turn_metrics``) computed from the
+    run's trajectory shards at the iterations tracking lacks them (a run from before they were logged, or resumed
+    across that change); as they were when the run's folder is not on this machine."""
+    if not run_dir or not Path(run_dir).is_dir():
+        return histories
+    from ragen_core.rollout.metrics import first_turn_metrics  # lazily: torch comes with it
+    from ragen_core.store.parquet import read_run, read_trajectories
+
+    frame = read_run(run_dir)
+    if frame.empty:
+        return histories
+    out = dict(histories)
+    for iteration in sorted(int(i) for i in frame["iteration"].unique()):
+        for key, value in first_turn_metrics(read_trajectories(frame[frame["iteration"] == iteration])).items():
+            logged = dict(out.get(key, ()))
+            logged.setdefault(iteration, value)
+            out[key] = tuple(sorted(logged.items()))
+    return out

@@ -43,6 +43,13 @@ METRICS: dict[str, str] = {
     "rollout/turns_per_episode": "mean turns per episode",
     "rollout/truncated_ratio": "share of episodes cut by the turn or action budget",
     "rollout/dropped_turns_mean": "mean turns dropped from the prompt to fit the context (the context guard)",
+    "rollout/first_empty_think": "share of first-turn replies with no reasoning tokens (an empty or missing think)",
+    "rollout/first_distinct": "distinct first-turn reply texts / first-turn replies",
+    "rollout/first_top_share": "the most common first-turn reply's share of first-turn replies",
+    "rollout/first_action_mi": "plug-in I(prompt group; first action), nats: how much the first move depends on "
+                               "the state (an unparsed reply counts as one more action)",
+    "rollout/first_action_mi_shuffled": "rollout/first_action_mi with the actions shuffled across the batch (mean "
+                                        "of 20): its level with no dependence at this sample size",
     "rollout/step_group_share": "gigpo: share of turns whose step group (same prompt group, same state) has 2 or more "
                                 "turns; only these get a step advantage",
     "rollout/logprob_gap_mean": "mean |trainer - rollout| log-prob over the generated tokens (engine mismatch)",

@@ -161,10 +161,27 @@ def test_write_study_files(tmp_path: Path) -> None:
     assert "| starpo-s-0 | starpo-s | converged | 5 | 5 | - | - | 0.80 | - |" in md
     assert "| starpo-0 | starpo | entropy eruption | 3 | 5 | - | 2 | 3.00 | - |" in md
     assert "| echo_trap | entropy eruption | 0 | 0 | 2 | - | - |" in md
+    assert "Template signals in the replies" not in md  # no run logged the reply metrics
     episodes = paths["episodes"].read_text().splitlines()
     assert episodes[0] == "run,group,signal,class,start,end,depth,duration,level,mode,verdict,fired_at"
     with pytest.raises(ValueError, match="no runs"):
         write_study([], tmp_path / "x")
+
+
+def test_the_reply_metrics_at_a_runs_start_and_end(tmp_path: Path) -> None:
+    # MI 0.5 then 0.2 over shuffled 0.2 (excess 0.3 at the start: mean of the first 3 of 0.3, 0.3, 0.3; 0 at the
+    # end); empty think 0.1, 0.1, 0.1, 0.7, 0.7, 0.7
+    steps = range(6)
+    templated = run("a", "starpo-s", 0, val__success=[(0, 0.1)],
+                    rollout__first_action_mi=[(i, 0.5 if i < 3 else 0.2) for i in steps],
+                    rollout__first_action_mi_shuffled=[(i, 0.2) for i in steps],
+                    rollout__first_empty_think=[(i, 0.1 if i < 3 else 0.7) for i in steps],
+                    rollout__first_distinct=[(i, 1.0) for i in steps],
+                    rollout__first_top_share=[(i, 0.02) for i in steps])
+    plain = run("b", "starpo", 0, val__success=[(0, 0.1)])
+    md = write_study([templated, plain], tmp_path / "study", group_by="preset", patience=PATIENCE)["md"].read_text()
+    assert "| a | starpo-s | 0.30 → 0.00 | 0.10 → 0.70 | 1.00 → 1.00 | 0.02 → 0.02 |" in md
+    assert "| b |" not in md.split("Template signals in the replies")[1]
 
 
 def test_gradient_buckets_by_group(tmp_path: Path) -> None:

@@ -5,13 +5,16 @@ Run: .venv/bin/python -m pytest tests/unit/rollout/test_rollout_metrics.py -q
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import pytest
 
 from ragen_core.config import EnvConfig, RolloutConfig
 from ragen_core.envs import make
 from ragen_core.models import load_tokenizer
 from ragen_core.rollout.evaluate import evaluate, heldout_seeds
-from ragen_core.rollout.metrics import rollout_metrics
+from ragen_core.rollout.metrics import first_turn_metrics, plugin_mi, rollout_metrics
 from ragen_core.rollout.scripted import ScriptedGenerator
 from ragen_core.types import Trajectory, Turn
 
@@ -55,11 +58,46 @@ def test_rollout_metrics_golden() -> None:
         "rollout/format_ok_ratio": 4 / 6, "rollout/truncated_ratio": 1 / 5, "rollout/dropped_turns_mean": 0.0,
         "response/length_mean": (4 + 6 + 2 + 4 + 4 + 8) / 6, "response/think_length_mean": (2 + 0 + 1 + 3 + 3 + 0) / 6,
         "response/clip_ratio": 1 / 6,
+        # first turns: think 2, 0, 1, 3, 0; every text "r"; first actions Up, (unparsed), (unparsed: the reply
+        # named an unknown action), Up, x in groups A0, A0, A1, A1, B0. I = 4 x 1/5 ln(1 x 5 / (2 x 2)) for the
+        # four cells of A0, A1 x Up, (unparsed), plus 1/5 ln(1 x 5 / (1 x 1)) for B0 x x
+        "rollout/first_empty_think": 2 / 5, "rollout/first_distinct": 1 / 5, "rollout/first_top_share": 1.0,
+        "rollout/first_action_mi": 0.8 * math.log(1.25) + 0.2 * math.log(5),
     }
+    shuffled = m.pop("rollout/first_action_mi_shuffled")
+    assert 0.0 <= shuffled <= math.log(3) and shuffled == rollout_metrics(TRAJS)["rollout/first_action_mi_shuffled"]
     assert m.keys() == expected.keys()
     for key, value in expected.items():
         assert m[key] == pytest.approx(value), key
     assert rollout_metrics([]) == {}
+
+
+def test_first_turn_metrics_tell_a_board_dependent_first_move_from_a_template() -> None:
+    """8 groups of 8, as the FrozenLake study: when each group's members all make their group's own move, the MI is
+    log 4 (4 moves, 2 groups each) and the shuffled level far under it; one template move for every board gives 0
+    for both; moves drawn regardless of the group leave the MI near its shuffled level."""
+    import random
+
+    def batch(move: Callable[[int, int], str], text: Callable[[int, int], str] = lambda g, m: "r") -> list[Trajectory]:
+        return [Trajectory("F", g, g, (Turn("obs", (1,), (5,), (-1.0,), text(g, m), (move(g, m),), 0.0, 0.0, True,
+                                            "stop", 0 if m < 2 else 3, 1),), success=False, terminated=True,
+                           truncated=False) for g in range(8) for m in range(8)]
+
+    moves = ["Up", "Down", "Left", "Right"]
+    own = first_turn_metrics(batch(lambda g, m: moves[g % 4]))
+    assert own["rollout/first_action_mi"] == pytest.approx(math.log(4))
+    assert own["rollout/first_action_mi_shuffled"] < 0.5 * math.log(4)
+    assert own["rollout/first_empty_think"] == pytest.approx(2 / 8)  # members 0 and 1 of each group
+    template = first_turn_metrics(batch(lambda g, m: "Up", lambda g, m: "<answer>Up</answer>"))
+    assert template["rollout/first_action_mi"] == 0.0 and template["rollout/first_action_mi_shuffled"] == 0.0
+    assert template["rollout/first_distinct"] == 1 / 64 and template["rollout/first_top_share"] == 1.0
+    draw = random.Random(0)
+    noise = first_turn_metrics(batch(lambda g, m: draw.choice(moves), lambda g, m: f"{g}-{m}"))
+    assert abs(noise["rollout/first_action_mi"] - noise["rollout/first_action_mi_shuffled"]) < 0.15
+    assert noise["rollout/first_distinct"] == 1.0
+    assert first_turn_metrics([]) == {}
+    with pytest.raises(ValueError, match="paired"):
+        plugin_mi([1, 2], [1])
 
 
 def test_evaluate_fixed_seeds_temperature_and_pass_at_n() -> None:
@@ -104,3 +142,22 @@ def test_package_exports_resolve_to_the_same_objects_in_any_import_order() -> No
             "and rollout.EvalResult is evaluate_module.EvalResult; "
             "assert 'evaluate' not in rollout.__all__")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_study_fills_in_the_reply_metrics_from_a_runs_shards(tmp_path) -> None:
+    """Runs from before the first-turn metrics were logged get them from their Parquet shards (sweeps/trials.py
+    with_reply_metrics); a value tracking has wins; a run whose folder is not here keeps what tracking has."""
+    from ragen_core.store.parquet import write_shard
+    from ragen_core.sweeps.trials import with_reply_metrics
+
+    run = tmp_path / "run"
+    write_shard(run, 0, TRAJS)
+    write_shard(run, 1, TRAJS[:2])
+    logged = {"rollout/first_empty_think": ((1, 0.9),), "val/success": ((0, 0.5),)}
+    got = with_reply_metrics(logged, str(run))
+    assert got["rollout/first_empty_think"] == ((0, pytest.approx(2 / 5)), (1, 0.9))
+    assert got["rollout/first_action_mi"] == ((0, pytest.approx(0.8 * math.log(1.25) + 0.2 * math.log(5))),
+                                              (1, 0.0))  # one group at iteration 1: no dependence to measure
+    assert got["val/success"] == ((0, 0.5),)
+    assert with_reply_metrics(logged, str(tmp_path / "elsewhere")) == logged
+    assert with_reply_metrics(logged, None) == logged
