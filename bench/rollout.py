@@ -27,6 +27,10 @@ The last line printed is one JSON object:
                  prefilled once, and the decode steps read each prompt's keys once per group (cascade
                  attention, decode_step.SharedPrefix).
   hf_vs_vllm     hf rollout tok/s / vLLM's on the same rollout (1 / vllm_speedup). Target >= 1.2.
+                 ``--precision bf16``: both engines compute in bf16 (hf: bf16 matmuls over fp32 weights, as a
+                 study with ``trainer.precision`` bf16 or auto samples on a CPU with AVX512-BF16 or AMX; vLLM:
+                 ``dtype=bfloat16``); fp32 (the default) for both otherwise. ``--engines-only``: only the two
+                 rollouts (no re-prefill, replay or batch measurements).
   cpu_capability the vector code torch ran (AVX512, AVX2, DEFAULT); ``ATEN_CPU_CAPABILITY=avx2`` lowers it, and
                  with ``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` the run stands in for a CPU with
                  AVX2 only (the decode attention kernel is then built for AVX2; vLLM keeps its own dispatch).
@@ -191,7 +195,8 @@ def vllm_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     start = time.perf_counter()
-    gen = VLLMGenerator(resolve_model(DEFAULT_MODEL), tokenizer, max_model_len=args.max_len)
+    gen = VLLMGenerator(resolve_model(DEFAULT_MODEL), tokenizer, max_model_len=args.max_len,
+                        dtype="bfloat16" if args.precision == "bf16" else None)
     startup = time.perf_counter() - start
     rec, seconds = run_rollout(gen, tokenizer, args, args.max_len)
     result = {
@@ -229,7 +234,7 @@ def run_vllm(args: argparse.Namespace, max_len: int) -> tuple[dict[str, Any] | N
         return None, f"{python} not found"
     cmd = [str(python), str(Path(__file__).resolve()), "--vllm-worker", "--max-len", str(max_len)]
     cmd += ["--groups", str(args.groups), "--per-group", str(args.per_group)]
-    cmd += ["--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed)]
+    cmd += ["--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed), "--precision", args.precision]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.vllm_timeout
@@ -259,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-timeout", type=int, default=900)
     p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-len", type=int, default=2048, help=argparse.SUPPRESS)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="both engines' compute precision")
+    p.add_argument("--engines-only", action="store_true", help="only the hf and vLLM rollouts: hf_vs_vllm")
     args = p.parse_args(argv)
     if args.quick:
         args.groups, args.per_group, args.max_new_tokens, args.batches = 2, 4, 32, "8"
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model, tokenizer = load_model(DEFAULT_MODEL), load_tokenizer(DEFAULT_MODEL)
     max_len = args.max_len
-    result: dict[str, Any] = {"model": DEFAULT_MODEL, "threads": torch.get_num_threads()}
+    result: dict[str, Any] = {"model": DEFAULT_MODEL, "threads": torch.get_num_threads(), "precision": args.precision}
     result["rollout"] = {
         "env": "FrozenLake",
         "groups": args.groups,
@@ -284,13 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     say("rollout with cache reuse ...")
-    reuse = make_generator("hf", model, tokenizer, cache_reuse=True, max_length=max_len, fast_decode=True)
+    reuse = make_generator("hf", model, tokenizer, cache_reuse=True, max_length=max_len, fast_decode=True,
+                           compute_dtype=torch.bfloat16 if args.precision == "bf16" else None)
     rec_reuse, t_reuse = run_rollout(reuse, tokenizer, args, max_len)
     hf_tok_s = generated(rec_reuse) / t_reuse
     say(f"  {generated(rec_reuse)} tokens in {t_reuse:.1f} s; {reuse.stats}")
+    if args.engines_only:
+        result.update(hf_rollout_tok_s=hf_tok_s, cpu_capability=str(torch.backends.cpu.get_cpu_capability()))
+        return engines(args, max_len, hf_tok_s, result)
 
     say("rollout with naive re-prefill ...")
-    naive = make_generator("hf", model, tokenizer, cache_reuse=False, max_length=max_len, fast_decode=True)
+    naive = make_generator("hf", model, tokenizer, cache_reuse=False, max_length=max_len, fast_decode=True,
+                           compute_dtype=torch.bfloat16 if args.precision == "bf16" else None)
     rec_naive, t_naive = run_rollout(naive, tokenizer, args, max_len)
     say(f"  {generated(rec_naive)} tokens in {t_naive:.1f} s; {naive.stats}")
     diff, diverged = max_logprob_diff(rec_reuse, rec_naive)
@@ -342,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         model_forward_decode_tok_s=slow_decode,
         fast_decode_speedup=result[f"decode_tok_s_b{top}"] / slow_decode,
     )
+    return engines(args, max_len, hf_tok_s, result)
 
+
+def engines(args: argparse.Namespace, max_len: int, hf_tok_s: float, result: dict[str, Any]) -> int:
+    """The vLLM side of the same rollout, hf_vs_vllm, and the JSON line."""
     if args.no_vllm:
         result["vllm_speedup"], result["vllm_note"] = None, "skipped (--no-vllm)"
     else:
