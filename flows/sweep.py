@@ -67,7 +67,8 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
     try:
         env = worker_env(threads=worker_threads(plan, workers))
         run_trials(plan, study, url, parent.run_id, workers, run_trial=lambda params: run_trial(plan, params),
-                   spawn=lambda n: steps.spawn_workers(worker_command(plan, overrides, parent.run_id), env, n))
+                   spawn=lambda n: steps.spawn_workers(worker_command(plan, overrides, parent.run_id), env, n,
+                                                          study))
         close_lost_runs(plan, study.get_trials(deepcopy=False))
         summary = steps.publish_results(plan, study, parent, url)
         if plan.sweep.group_by:

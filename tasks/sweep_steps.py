@@ -15,18 +15,19 @@ from prefect.cache_policies import NO_CACHE
 
 from ragen_core.sweeps import SweepPlan
 from ragen_core.sweeps.report import results_report, study_report
-from ragen_core.sweeps.trials import stop_workers
+from ragen_core.sweeps.trials import stop_workers, wait_workers
 from ragen_core.tracking import MetricLogger
 from ragen_core.tracking.run_history import RunHistory
 
 
 @task(name="workers", cache_policy=NO_CACHE)
-def spawn_workers(cmd: list[str], env: dict[str, str], n: int) -> list[int]:
-    """Start ``n`` worker processes (``cmd``) on the study's storage and wait for all; returns their exit codes.
-    Stopped while waiting (SIGTERM, Ctrl-C), it stops them and waits for them (:func:`stop_workers`)."""
+def spawn_workers(cmd: list[str], env: dict[str, str], n: int, study: Study) -> list[int]:
+    """Start ``n`` worker processes (``cmd``) on the study's storage and wait for all (:func:`wait_workers`: a hung
+    one is killed); returns their exit codes. Stopped while waiting (SIGTERM, Ctrl-C), it stops them and waits for
+    them (:func:`stop_workers`)."""
     procs = [subprocess.Popen(cmd, env=env) for _ in range(n)]
     try:
-        return [p.wait() for p in procs]
+        return wait_workers(procs, study)
     except BaseException:
         stop_workers(procs)
         raise

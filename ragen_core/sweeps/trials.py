@@ -14,7 +14,9 @@ nested MLflow runs) is here. Optuna is imported in the functions that need it (a
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
+import socket
 import subprocess
 import time
 import urllib.error
@@ -33,6 +35,7 @@ from ragen_core.sweeps.study import (
     RESULT_ATTRS,
     DuplicateTrial,
     duplicate_of,
+    fail_stale,
     finished_count,
     open_study,
     redact,
@@ -111,6 +114,32 @@ def run_memory(plan: SweepPlan, url: str, default_bytes: int) -> tuple[int, str]
     if measured:
         return measured, "the largest peak its runs measured"
     return default_bytes, "the default"
+
+
+def wait_workers(procs: Sequence[subprocess.Popen[bytes]], study: optuna.Study, poll_s: float = 10.0,
+                 say: Callable[[str], None] = print) -> list[int]:
+    """Wait for the worker processes; their exit codes. Meanwhile trials whose heartbeat stopped go FAIL (and get
+    their retry), and a worker still alive after the trial it ran went FAIL that way is killed: a hung process (a
+    deadlock, a stuck collective) stops beating with its trial but never exits, and the round would wait for it
+    forever. A trial that failed by raising has no retry, and its worker goes on to the next one."""
+    host, since = socket.gethostname(), datetime.datetime.now() - datetime.timedelta(seconds=5)
+    while any(p.poll() is None for p in procs):
+        fail_stale(study)
+        trials = study.get_trials(deepcopy=False)
+        retried = {t.system_attrs["failed_trial"] for t in trials if "failed_trial" in t.system_attrs}
+        # trials these processes started (a pid of an earlier session's worker may have come back)
+        lost = {t.user_attrs.get("worker"): t.number for t in trials
+                if t.state.name == "FAIL" and t.number in retried and not t.user_attrs.get("interrupted")
+                and t.datetime_start is not None and t.datetime_start >= since}
+        for p in procs:
+            number = lost.get(f"{host}:{p.pid}")
+            if number is not None and p.poll() is None:
+                say(f"[sweep] worker {p.pid} is alive but trial {number} it ran stopped beating: killing it "
+                    "(its retry continues the run from its last checkpoint)")
+                p.kill()
+                p.wait()
+        time.sleep(poll_s)
+    return [int(p.returncode) for p in procs]
 
 
 def stop_workers(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> None:

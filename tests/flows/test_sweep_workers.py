@@ -100,3 +100,30 @@ def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_
     assert "OMP_NUM_THREADS" not in sweep_module.worker_env()
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert sweep_module.worker_env(threads=1)["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_worker_alive_after_its_trial_stopped_beating_is_killed(tmp_path) -> None:
+    """A hung worker (a deadlock stops its heartbeat with it, but the process never exits) would hold the study's
+    round forever: once its trial went FAIL by heartbeat (it has a retry) the worker is killed. A worker whose trial
+    failed by raising (no retry) goes on and is left alone."""
+    import socket
+    import subprocess
+    import sys
+
+    from optuna.trial import TrialState, create_trial
+
+    from ragen_core.sweeps.trials import wait_workers
+
+    study = optuna.create_study(study_name="hung", storage=f"sqlite:///{tmp_path}/optuna.db")
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    host = socket.gethostname()
+    for proc in (hung, busy):
+        trial = study.ask()
+        trial.set_user_attr("worker", f"{host}:{proc.pid}")
+        study.tell(trial, state=TrialState.FAIL)
+    study.add_trial(create_trial(state=TrialState.WAITING, system_attrs={"failed_trial": 0}))  # trial 0's retry
+    said: list[str] = []
+    assert wait_workers([hung, busy], study, poll_s=0.2, say=said.append) == [-9, 0]
+    assert said == [f"[sweep] worker {hung.pid} is alive but trial 0 it ran stopped beating: killing it (its retry "
+                    "continues the run from its last checkpoint)"]
