@@ -49,6 +49,26 @@ def test_on_the_cpu_vllm_needs_no_share_and_cannot_sleep() -> None:
     assert set(hf) == {"cache_reuse", "max_length", "fast_decode", "value_head", "compute_dtype"}
 
 
+def test_on_the_cpu_vllm_computes_in_bf16_where_the_trainer_does_and_the_cpu_multiplies_bf16(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ragen_core.rollout import engine_settings
+    from ragen_core.trainer import engine
+
+    def kwargs(*overrides: str) -> dict:
+        return generator_kwargs(make_cfg("starpo-s", "rollout.backend=vllm", *overrides), torch.nn.Linear(2, 2),
+                                torch.device("cpu"), 2048)
+
+    for module in (engine_settings, engine):  # auto resolves through trainer.engine's own lookup
+        monkeypatch.setattr(module, "cpu_multiplies_bf16", lambda: True)
+    assert kwargs("trainer.precision=bf16") == {"lora": "adapter", "dtype": "bfloat16"}
+    assert kwargs("trainer.precision=auto") == {"lora": "adapter", "dtype": "bfloat16"}
+    assert kwargs("trainer.precision=fp32") == {"lora": "adapter"}
+    for module in (engine_settings, engine):
+        monkeypatch.setattr(module, "cpu_multiplies_bf16", lambda: False)
+    assert kwargs("trainer.precision=bf16") == {"lora": "adapter"}  # emulated bf16: vLLM stays in fp32
+    assert kwargs("trainer.precision=auto") == {"lora": "adapter"}
+
+
 def test_the_hf_generator_samples_in_the_trainers_resolved_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     def dtype(*overrides: str) -> torch.dtype | None:
         return generator_kwargs(make_cfg("starpo-s", *overrides), torch.nn.Linear(2, 2), torch.device("cpu"),
