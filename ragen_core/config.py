@@ -341,7 +341,8 @@ class TrainerConfig:
         "fp32", "fp32, or bf16 mixed precision: forwards (and so backwards) under bf16 autocast, while the trained "
                 "weights and the optimizer state stay fp32 (master weights), whatever model.dtype is; auto: bf16 "
                 "on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX), fp32 elsewhere (on CUDA: fp32 "
-                "with trainer.tf32)")
+                "with trainer.tf32). Rollouts sample in it too: the hf backend, and vLLM on CUDA or on a CPU that "
+                "multiplies bf16 natively")
     tf32: bool = F(True, "CUDA: fp32 matmuls on TF32 tensor cores (no effect on the CPU)")
 
     def __post_init__(self) -> None:
