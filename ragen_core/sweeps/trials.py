@@ -328,8 +328,8 @@ def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> 
 
 def with_reply_metrics(histories: dict[str, Series], run_dir: str | None) -> dict[str, Series]:
     """``histories`` with the first-turn reply metrics (``rollout.metrics.first_turn_metrics``) computed from the
-    run's trajectory shards at the iterations tracking lacks them (a run from before they were logged, or resumed
-    across that change); as they were when the run's folder is not on this machine."""
+    run's trajectory shards at the iterations its tracking lacks them (runs made by code that did not log them);
+    unchanged when the run's folder is not here."""
     if not run_dir or not Path(run_dir).is_dir():
         return histories
     from ragen_core.rollout.metrics import first_turn_metrics  # lazily: torch comes with it
