@@ -38,6 +38,7 @@ from flows._ui import publish_markdown
 from ragen_core import gpus
 from ragen_core.config import ConfigError
 from ragen_core.sweeps import SweepPlan, dashboard_command, open_study, plan_sweep, redact, storage_url
+from ragen_core.sweeps.carry import carry_in, carry_out
 from ragen_core.sweeps.trials import (
     NoWorker,
     check_pool_launch,
@@ -61,6 +62,7 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
     url = storage_url(plan.sweep)
     study = open_study(plan.sweep, plan.grid, url)
     parent = open_parent_run(plan, study, url, flow_run.id)
+    carry_in(plan, study, parent.run_id)  # finished trials carried from another machine (sweep's carry file)
     print(f"[sweep] study {plan.sweep.name} in {redact(url)}: {plan.target} trials; watch it with "
           f"{dashboard_command(url)}")
     status = "FAILED"
@@ -70,6 +72,7 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
                    spawn=lambda n: steps.spawn_workers(worker_command(plan, overrides, parent.run_id), env, n,
                                                           study))
         close_lost_runs(plan, study.get_trials(deepcopy=False))
+        carry_out(plan, study)
         summary = steps.publish_results(plan, study, parent, url)
         if plan.sweep.group_by:
             summary += "\n\n" + steps.publish_study(plan, trial_histories(plan, study.get_trials(deepcopy=False)),

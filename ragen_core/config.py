@@ -619,6 +619,10 @@ class SweepConfig:
     run_memory_gib: float | None = F(None, "a study on a CPU (ragen study without --workers): memory one run needs, "
                                            "GiB, to decide whether two run at a time; None: the largest peak its "
                                            "runs measured so far (perf/peak_rss_gib), else 4", gt=0.0)
+    carry: str | None = F(None, "a JSON Lines file (relative to the sweep file) that carries the study's finished "
+                                "trials and their runs' tracking to another machine: rewritten after each trial, "
+                                "read when the study starts (ragen_core/sweeps/carry.py); commit it to resume a "
+                                "study elsewhere")
 
     def __post_init__(self) -> None:
         check_run_name(self.name, "name", MAX_NAME_PREFIX)  # data/sweeps/<name>, trials' runs <name>-tNNN-<time>
@@ -654,7 +658,7 @@ def load_experiment(path: str | os.PathLike[str], overrides: typing.Sequence[str
 
 
 def load_sweep(path: str | os.PathLike[str], overrides: typing.Sequence[str] = ()) -> SweepConfig:
-    """Read a sweep YAML; ``base`` is resolved relative to the sweep file."""
+    """Read a sweep YAML; ``base`` and ``carry`` are resolved relative to the sweep file."""
     p = Path(path)
     raw = apply_overrides(_read_yaml(p), overrides)
     _check_finite(raw, "")
@@ -667,7 +671,9 @@ def load_sweep(path: str | os.PathLike[str], overrides: typing.Sequence[str] = (
     if not base.exists():
         raise ConfigError(f"base: experiment file {cfg.base!r} not found "
                           f"(looked beside {p} and in the working directory)")
-    return dataclasses.replace(cfg, base=str(base))
+    carry = None if cfg.carry is None else str(p.parent / cfg.carry) if not Path(cfg.carry).is_absolute() \
+        else cfg.carry
+    return dataclasses.replace(cfg, base=str(base), carry=carry)
 
 
 class _YAMLLimit(Exception):

@@ -12,6 +12,7 @@
 - :mod:`.trials`: the trials' life: rounds, a worker's loop, one trial (ask, train, tell), the study's
   parent MLflow run, lost runs, the trials' histories; refusing a pool launch that workers could not serve.
 - :mod:`.report`: what a finished sweep publishes (results table, best params, a study's aggregate).
+- :mod:`.carry`: a study's finished trials and their runs in a file, so the study goes on on another machine.
 
 Optuna is imported inside functions, so importing this package is cheap. No Prefect here: how a trial
 runs (a sub-flow or a deployment run) and how worker processes start are passed in by flows/sweep.py;

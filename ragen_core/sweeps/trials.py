@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ragen_core.config import ConfigError, load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics
+from ragen_core.sweeps.carry import carry_writer
 from ragen_core.sweeps.objective import objective_value
 from ragen_core.sweeps.space import SweepPlan, suggest_params, trial_experiment
 from ragen_core.sweeps.study import (
@@ -192,7 +193,7 @@ def run_worker(plan: SweepPlan, url: str, parent_run_id: str | None, run_trial: 
         return
     # catch: a crashing trial ends FAIL and the worker goes on with the next one
     study.optimize(lambda trial: objective(trial, plan, url, parent_run_id, run_trial), catch=(Exception,),
-                   callbacks=[stop_when_done(plan.target, plan.grid)], gc_after_trial=True)
+                   callbacks=[carry_writer(plan), stop_when_done(plan.target, plan.grid)], gc_after_trial=True)
 
 
 def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str | None,

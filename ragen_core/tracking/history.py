@@ -2,6 +2,8 @@
 
     from ragen_core.tracking.history import fetch_runs, log_onto_run, log_compare_run, run_id_of
     runs = fetch_runs("sqlite:///data/mlflow.db", ["bandit-starpo-20260101-120000", "3f2c..."])  # [RunHistory]
+    record = export_run(uri, run_id)                  # a finished run as plain JSON data (a study's carry file)
+    new_id = import_run(other_uri, record, parent_run_id, {"trial": "4"})  # the same run, made again elsewhere
     log_onto_run(uri, run_id_of(run_dir), {"val/final/success": 0.8}, step=199, files=[Path("eval.md")])
     log_compare_run(uri, runs[0].experiment_id, "compare-20260101-130000", {"kind": "compare"}, files)
 
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -36,8 +38,8 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Run
 
-__all__ = ["FetchedRun", "fail_running_runs", "fetch_runs", "find_group", "find_run", "log_compare_run", "log_onto_run",
-           "metric_histories", "run_id_of", "tracking_uri_for"]
+__all__ = ["FetchedRun", "export_run", "fail_running_runs", "fetch_runs", "find_group", "find_run", "import_run",
+           "log_compare_run", "log_onto_run", "metric_histories", "run_id_of", "tracking_uri_for"]
 
 _NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
 
@@ -213,3 +215,53 @@ def fail_running_runs(uri: str, run_ids: Sequence[str], say: Callable[[str], Non
                 client.set_terminated(run_id, "FAILED")
         except Exception as e:  # noqa: BLE001 -- a tracking hiccup must not lose the results table
             say(f"[sweep] could not mark MLflow run {run_id} FAILED: {e}")
+
+
+CARRIED_TAG = "carried_from"
+"""Tag of a run made by :func:`import_run`: the id the run had where it was tracked first."""
+
+_NOT_CARRIED_TAGS = ("mlflow.runName", "mlflow.parentRunId")
+"""Tags :func:`import_run` sets itself (the run's name; the parent on the machine it is carried to)."""
+
+
+def export_run(uri: str, run_id: str) -> dict[str, Any]:
+    """A finished run as plain JSON data: name, status, start and end time, tags, params and every metric's history
+    (``[[step, value], ...]``, the latest value of a step logged twice). Artifacts are not included."""
+    client = _client(uri)
+    run = client.get_run(run_id)
+    histories = metric_histories(client, run_id, sorted(run.data.metrics))
+    return {"name": run.info.run_name, "run_id": run_id, "status": run.info.status,
+            "start_time": run.info.start_time, "end_time": run.info.end_time,
+            "tags": {k: v for k, v in sorted(run.data.tags.items()) if k not in _NOT_CARRIED_TAGS},
+            "params": dict(sorted(run.data.params.items())),
+            "metrics": {name: [[step, value] for step, value in series] for name, series in histories.items()}}
+
+
+def import_run(uri: str, record: Mapping[str, Any], parent_run_id: str, tags: Mapping[str, str]) -> str:
+    """Make the run of an :func:`export_run` record again at ``uri``, nested under ``parent_run_id`` and in its
+    experiment, with ``tags`` added and :data:`CARRIED_TAG` naming the run's first id; returns the new run's id.
+    A failure part way leaves the new run FAILED and raises."""
+    # lazily: importing ragen_core.tracking must not load mlflow (test_tracking_logger.py checks)
+    from mlflow.entities import Metric, Param
+
+    client = _client(uri)
+    parent = client.get_run(parent_run_id)
+    start = int(record.get("start_time") or time.time() * 1000)
+    run_tags = {**dict(record.get("tags") or {}), **tags,
+                "mlflow.parentRunId": parent_run_id, CARRIED_TAG: str(record["run_id"])}
+    run = client.create_run(parent.info.experiment_id, start_time=start, run_name=str(record["name"]), tags=run_tags)
+    run_id = run.info.run_id
+    try:
+        params = [Param(str(k), str(v)) for k, v in dict(record.get("params") or {}).items()]
+        metrics = [Metric(str(name), float(value), start, int(step))
+                   for name, series in dict(record.get("metrics") or {}).items() for step, value in series]
+        for i in range(0, len(params), 100):  # MLflow's limits for one log_batch call
+            client.log_batch(run_id, params=params[i:i + 100])
+        for i in range(0, len(metrics), 1000):
+            client.log_batch(run_id, metrics=metrics[i:i + 1000])
+    except Exception:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    end = record.get("end_time")
+    client.set_terminated(run_id, str(record.get("status") or "FINISHED"), end_time=int(end) if end else None)
+    return run_id
