@@ -44,7 +44,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ragen_core.sweeps.aggregate import RULE_PATIENCE_KEYS, SIGNALS, Series, collapse_at
+from ragen_core.sweeps.aggregate import RULE_PATIENCE_KEYS, SIGNALS, Series, collapse_at, no_progress
 from ragen_core.tracking.run_history import RunHistory, success_series
 
 __all__ = ["CLASSES", "FAILURES", "MODE_METRICS", "VERDICTS", "Episode", "EpisodeVerdict", "accounting_markdown",
@@ -167,7 +167,7 @@ def episodes(run: RunHistory, drop: float = 0.15, eruption: float = 1.5, baselin
             trough, low = min(after, key=lambda p: (p[1], p[0]))
             out.append(Episode("sustained collapse", fell, last, depth=best - low, mode=failure_mode(run, trough),
                                trough=trough))
-        elif best < points[0][1] + drop - 1e-12 and points[0][1] < 1.0 - drop - 1e-12:
+        elif no_progress(points, drop):
             out.append(Episode("no progress", points[0][0], last, level=statistics.fmean(v for _, v in points)))
         else:
             start = last

@@ -14,7 +14,8 @@ collapse monitor judged against what the runs did.
   first early warning, RAGEN §4) and RAGEN-2's rules ``reward_std``, ``val_success``, ``empty_filter`` and
   ``template`` (the first step their streak reached the patience).
 - :func:`judge`: per run and signal, ``hit`` (fired at or before the collapse; the lead is how many
-  iterations before), ``late``, ``miss``, ``false alarm`` (fired, the run did not collapse) or ``quiet``.
+  iterations before), ``late``, ``miss``, ``false alarm`` (fired, the run did not collapse), ``fired`` (on a run
+  of no progress, :func:`no_progress`) or ``quiet``.
 - :func:`first_moves`: which of entropy, reward std and MI moved first: the first step after a
   ``baseline``-point window where the signal differs from the window's mean by ``frac`` of it.
 
@@ -56,6 +57,7 @@ __all__ = [
     "group_table",
     "judge",
     "monitor_rows",
+    "no_progress",
     "reply_markdown",
     "rule_patience",
     "run_rows",
@@ -170,6 +172,16 @@ def collapse_at(series: Series, drop: float) -> int | None:
     return points[first][0]
 
 
+def no_progress(series: Series, drop: float) -> bool:
+    """Whether a run never rose ``drop`` above its first point (unless that point was already within ``drop`` of
+    1.0) and did not collapse: it had nothing to converge to or collapse from (``accounting``'s no-progress class)."""
+    points = sorted((int(s), float(v)) for s, v in series if math.isfinite(v))
+    if not points or collapse_at(points, drop) is not None:
+        return False
+    best = max(v for _, v in points)
+    return best < points[0][1] + drop - 1e-12 and points[0][1] < 1.0 - drop - 1e-12
+
+
 def signal_fires(run: RunHistory, patience: Mapping[str, int]) -> dict[str, int | None]:
     """Signal -> the first step it fired in ``run`` (None: never, or the run did not log it).
 
@@ -195,7 +207,7 @@ class Judgement:
     fired_at: int | None
     collapse_at: int | None
     verdict: str
-    """hit, late, miss, false alarm or quiet."""
+    """hit, late, miss, false alarm, fired or quiet."""
 
     @property
     def lead(self) -> int | None:
@@ -205,10 +217,11 @@ class Judgement:
         return self.collapse_at - self.fired_at
 
 
-def judge(fired_at: int | None, collapsed_at: int | None) -> str:
-    """The verdict of one signal on one run (module docstring)."""
+def judge(fired_at: int | None, collapsed_at: int | None, progressed: bool = True) -> str:
+    """The verdict of one signal on one run (module docstring); ``progressed`` False: a run of no progress
+    (:func:`no_progress`), on which a firing is ``fired``, not a false alarm."""
     if collapsed_at is None:
-        return "quiet" if fired_at is None else "false alarm"
+        return "quiet" if fired_at is None else "false alarm" if progressed else "fired"
     if fired_at is None:
         return "miss"
     return "hit" if fired_at <= collapsed_at else "late"
@@ -289,13 +302,13 @@ def monitor_rows(groups: Mapping[str, Sequence[RunHistory]], patience: Mapping[s
     for group, runs in groups.items():
         for run in runs:
             _, series = success_series(run)
-            fell = collapse_at(series, drop)
+            fell, progressed = collapse_at(series, drop), not no_progress(series, drop)
             for signal, fired in signal_fires(run, patience).items():
-                out.append(Judgement(run.name, group, signal, fired, fell, judge(fired, fell)))
+                out.append(Judgement(run.name, group, signal, fired, fell, judge(fired, fell, progressed)))
     return out
 
 
-VERDICTS = ("hit", "late", "miss", "false alarm", "quiet")
+VERDICTS = ("hit", "late", "miss", "false alarm", "fired", "quiet")
 
 
 def _num(value: float | None, fmt: str = ".3f") -> str:
@@ -323,7 +336,9 @@ def study_markdown(title: str, table: Sequence[GroupRow], judgements: Sequence[J
                    _num(r.rollout_s, ".2f")) for r in table])
     lines += ["", "## The monitor on these runs", "",
               ("Per signal: hit = fired at or before the collapse (mean lead in iterations), late = after it, "
-               "miss = the run collapsed and it never fired, false alarm = fired on a run that did not collapse."), ""]
+               "miss = the run collapsed and it never fired, false alarm = fired on a run that did not collapse, "
+               "fired = fired on a run that made no progress (never rose the collapse drop above its first "
+               "evaluation: nothing to lose, so neither right nor wrong)."), ""]
     counts = []
     for signal in SIGNALS:
         js = [j for j in judgements if j.signal == signal]

@@ -21,6 +21,8 @@ from ragen_core.sweeps.aggregate import (
     group_table,
     judge,
     monitor_rows,
+    no_progress,
+    rule_patience,
     signal_fires,
     summary_metrics,
     write_study,
@@ -56,6 +58,25 @@ def test_the_verdicts() -> None:
     assert judge(None, 20) == "miss"
     assert judge(10, None) == "false alarm"
     assert judge(None, None) == "quiet"
+    # a run that made no progress had nothing to lose: a firing there is neither a hit nor a false alarm
+    assert judge(10, None, progressed=False) == "fired" and judge(None, None, progressed=False) == "quiet"
+
+
+def test_no_progress_is_a_run_that_never_rose_the_drop_above_its_start() -> None:
+    assert no_progress([(0, 0.20), (5, 0.30), (10, 0.10), (15, 0.25)], 0.15)  # best 0.30 < 0.20 + 0.15
+    assert not no_progress([(0, 0.20), (5, 0.40), (10, 0.30)], 0.15)  # rose 0.20 above its start
+    assert not no_progress([(0, 0.90), (5, 0.95), (10, 0.92)], 0.15)  # started within the drop of 1.0
+    assert not no_progress([(0, 0.20), (5, 0.34), (10, 0.05)], 0.15)  # ended 0.29 under its peak: a collapse
+    assert not no_progress([], 0.15)
+
+
+def test_the_monitor_table_calls_a_firing_on_a_run_without_progress_fired() -> None:
+    flat = run("flat", "starpo", 0, val__success=[(0, 0.2), (5, 0.25), (10, 0.18)],
+               health__early_warning=[(0, 0.0), (5, 1.0), (10, 1.0)])
+    learnt = run("learnt", "starpo", 1, val__success=[(0, 0.2), (5, 0.8), (10, 0.9)],
+                 health__early_warning=[(0, 0.0), (5, 1.0), (10, 1.0)])
+    verdicts = {(j.run, j.signal): j.verdict for j in monitor_rows({"starpo": [flat, learnt]}, rule_patience(), 0.15)}
+    assert verdicts[("flat", "echo_trap")] == "fired" and verdicts[("learnt", "echo_trap")] == "false alarm"
 
 
 def run(name: str, preset: str, seed: int, **histories: list[tuple[int, float]]) -> RunHistory:
@@ -138,7 +159,7 @@ def test_write_study_files(tmp_path: Path) -> None:
     md = paths["md"].read_text()
     assert "| starpo | 2 | 0.650 ± 0.212 | 0.650 ± 0.212 |" in md  # finals 0.8, 0.5 (peaks likewise: 0.5 is not 0.8)
     assert "| starpo-s | 2 | 0.800 ± 0.000 |" in md
-    assert "| echo_trap | 0 | 0 | 0 | 0 | 4 | n/a |" in md  # nothing fired, nothing collapsed
+    assert "| echo_trap | 0 | 0 | 0 | 0 | 0 | 4 | n/a |" in md  # nothing fired, nothing collapsed
     curves = paths["curves"].read_text().splitlines()
     assert curves[0] == "group,metric,step,mean,std,n"
     row = next(r.split(",") for r in curves if r.startswith("starpo,val/success,5,"))
