@@ -115,22 +115,29 @@ def read_carry(path: str | os.PathLike[str], study_name: str) -> list[dict[str, 
     return records
 
 
-def carry_out(plan: SweepPlan, study: optuna.Study) -> Path | None:
-    """Rewrite the sweep's carry file with every finished trial (nothing when ``carry`` is not set); returns it.
+def carry_out(plan: SweepPlan, study: optuna.Study, say: Callable[[str], None] = print) -> Path | None:
+    """Rewrite the sweep's carry file with every finished trial; returns it (None when ``carry`` is not set, or
+    the file could not be written: that is said, not raised, so the study goes on and the next trial's write
+    tries again).
 
     Several workers finish trials: a lock in the sweep's folder orders them, and the file is replaced whole, so a
     reader never sees half of it."""
     if not plan.sweep.carry:
         return None
     path = Path(plan.sweep.carry)
-    plan.out_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(plan.out_dir / "carry.lock"):
-        known = {r["run"]["run_id"]: r for r in read_carry(path, plan.sweep.name) if r.get("run")}
-        lines = trial_lines(study, _uri(plan), known)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
-        os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        plan.out_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(plan.out_dir / "carry.lock"):
+            known = {r["run"]["run_id"]: r for r in read_carry(path, plan.sweep.name) if r.get("run")}
+            lines = trial_lines(study, _uri(plan), known)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
+            os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 -- a carry file that cannot be written must not stop the study
+        say(f"[sweep] could not write the carry file {path}: {type(e).__name__}: {e}")
+        tmp.unlink(missing_ok=True)
+        return None
     return path
 
 

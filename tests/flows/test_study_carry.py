@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from flows.sweep import sweep
 from ragen_core.config import ConfigError
 from ragen_core.sweeps import open_study, plan_sweep, storage_url
-from ragen_core.sweeps.carry import carry_in, read_carry
+from ragen_core.sweeps.carry import carry_in, carry_out, read_carry
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "experiments" / "smoke.yaml"
@@ -133,3 +133,15 @@ def test_a_carry_file_of_another_grid_is_refused(two_machines, tmp_path, monkeyp
     with pytest.raises(ConfigError, match="this study's grid is"):
         carry_in(plan, study, parent_run_id=None)
     assert study.get_trials() == []
+
+
+def test_a_carry_file_that_cannot_be_written_is_said_and_the_study_goes_on(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path / "data"))
+    path = _study_file(tmp_path / "repo")
+    (tmp_path / "repo" / "carry" / "carried.jsonl").mkdir(parents=True)  # a folder where the file should be
+    plan = plan_sweep(path)
+    study = open_study(plan.sweep, plan.grid, storage_url(plan.sweep))
+    said: list[str] = []
+    assert carry_out(plan, study, say=said.append) is None
+    assert len(said) == 1 and "could not write the carry file" in said[0]
+    assert [p.name for p in (tmp_path / "repo" / "carry").iterdir()] == ["carried.jsonl"]  # as it was, no leftover
