@@ -1,13 +1,12 @@
 """One decode step of a Llama-family model without ``model.forward``: the hf generator's default decode path.
 
-``HFGenerator`` (hf.py) prefills through :meth:`LlamaDecodeStep.prefill` where weights and compute are fp32 (the
-same weights and arithmetic, T tokens a row, attention by ``scaled_dot_product_attention`` with a mask that is
-causal over the new tokens; else through ``model.forward``) and then runs every decode step through
-:meth:`LlamaDecodeStep.step`, where ``RolloutConfig.fast_decode`` is on (the default) and :func:`decode_step_for`
-covers the model: Llama- or Qwen2-shaped, SiLU MLP without biases, no sliding window, weights not partitioned by
-ZeRO-3. For any other model, or with ``fast_decode`` off, prefills and decode steps go through ``model.forward``.
-The prefill gains most under LoRA: ``model.forward`` runs each adapted layer as the base matmul plus the adapter's
-two small ones, where the fused weights have the adapters merged.
+``HFGenerator`` (hf.py) prefills through :meth:`LlamaDecodeStep.prefill` (the same weights and arithmetic, T
+tokens a row, attention by ``scaled_dot_product_attention`` with a mask that is causal over the new tokens) and
+then runs every decode step through :meth:`LlamaDecodeStep.step`, where ``RolloutConfig.fast_decode`` is on (the
+default) and :func:`decode_step_for` covers the model: Llama- or Qwen2-shaped, SiLU MLP without biases, no sliding
+window, weights not partitioned by ZeRO-3. For any other model, or with ``fast_decode`` off, prefills and decode
+steps go through ``model.forward``. The prefill gains most under LoRA: ``model.forward`` runs each adapted layer
+as the base matmul plus the adapter's two small ones, where the fused weights have the adapters merged.
 
 Why: a decode step feeds one token per row, so its weight matmuls have as many rows as the batch: small
 matmuls, which MKL (behind ``F.linear``) runs at about half its large-matmul rate. ``model.forward``'s own

@@ -8,12 +8,11 @@ head's value of each sampled id's state (``value_head``).
 A call prefills, then decodes:
 
 - the prefill runs each row's new prompt tokens, on top of its reused cache, through
-  ``decode_step.LlamaDecodeStep.prefill`` where the fast step covers the model (below) and weights and compute are
-  fp32: the decode step's fused, packed weights with LoRA merged, T tokens a row; else through ``model.forward`` (on
-  CPU with attention.py's grouped-query SDPA). Rows with the same prompt and nothing reused (the N responses of a
-  prompt on their first turn) are prefilled once; rows go in groups of at most ``prefill_chunk_tokens`` padded
-  tokens. The keys and values land in preallocated buffers with room for the replies (kv.py), which decoding fills
-  in place;
+  ``decode_step.LlamaDecodeStep.prefill`` where the fast step covers the model (below): the decode step's fused,
+  packed weights with LoRA merged, T tokens a row; else through ``model.forward`` (on CPU with attention.py's
+  grouped-query SDPA). Rows with the same prompt and nothing reused (the N responses of a prompt on their first
+  turn) are prefilled once; rows go in groups of at most ``prefill_chunk_tokens`` padded tokens. The keys and
+  values land in preallocated buffers with room for the replies (kv.py), which decoding fills in place;
 - each decode step feeds one token per unfinished row through ``decode_step.LlamaDecodeStep`` where
   ``fast_decode`` is on (the default) and the model is covered (Llama, Qwen2): fused weight matmuls on
   oneDNN-packed weights, the fused CPU attention kernel of cpu_attention.py, and cascade attention over a prompt
@@ -21,10 +20,10 @@ A call prefills, then decodes:
   Finished rows leave the batch once the unfinished ones are fewer than ``shrink_below`` of it.
 
 ``compute_dtype`` bf16 over fp32 weights (the trainer's resolved ``trainer.precision``: bf16, or ``auto`` on a
-CPU with bf16 matmul instructions) samples as the trainer's bf16 autocast computes: prefills run under
-``torch.autocast`` and the cache they fill is converted back to the weights' dtype; the decode step runs its
-weight matmuls in bf16 (``model.forward`` steps run under autocast); the cache, the decode step's attention and
-the sampled log-probabilities stay fp32.
+CPU with bf16 matmul instructions) samples as the trainer's bf16 autocast computes: the fast step's prefill and
+decode run their weight matmuls in bf16 and keep the residual stream, attention and the cache in fp32;
+``model.forward`` prefills and steps run under ``torch.autocast``, and the cache they fill is converted back to the
+weights' dtype. The sampled log-probabilities stay fp32.
 
 Cross-turn cache reuse: with ``session_ids`` each episode keeps the keys/values of the
 tokens it has seen (previous prompt + generated ids, minus the last sampled id, which was never fed
@@ -168,12 +167,6 @@ class HFGenerator:
         weights = next(model.parameters()).dtype
         self.compute_dtype = compute_dtype if compute_dtype not in (None, weights) else None
         self._step = decode_step_for(model, self.compute_dtype) if fast_decode else None
-        # the fast prefill only where it computes what model.forward computes (fp32 weights and compute, within
-        # 1e-5): under bf16 its fp32 attention samples other tokens than autocast's forward, and a format warm-up
-        # on those samples left the default model's first-turn MI at 0.084 nats against 0.193 (one warm-up each,
-        # tests/integration/test_collapse_default_model.py), which is not yet told apart from noise
-        self._fast_prefill = (self._step is not None and self.compute_dtype is None
-                              and weights == torch.float32)
         self.value_head = value_head
         self._norm = _final_norm(model)
         self._hidden: torch.Tensor | None = None  # [B, H] last position's hidden state, from the norm's hook
@@ -413,12 +406,11 @@ class HFGenerator:
         if reused > 0:  # the kept caches stacked once, straight into buffers with room for the suffix and replies
             like = next(r.cached for r in group if r.cached is not None)
             cache = stacked_cache([r.cached for r in group], reused, like, room=new + room)
-        if self._fast_prefill:  # the fast step's weights and arithmetic, T tokens a row (decode_step.py)
-            step = cast(LlamaDecodeStep, self._step)
+        if self._step is not None:  # the fast step's weights and arithmetic, T tokens a row (decode_step.py)
             if reused == 0:
                 cache = self._empty_cache(len(group), new + room)
-            logits = step.prefill(input_ids, positions, mask, cache).float()
-            self._hidden = step.last_hidden
+            logits = self._step.prefill(input_ids, positions, mask, cache).float()
+            self._hidden = self._step.last_hidden
             return cache, mask, logits
         with self._autocast():
             out = self.model(

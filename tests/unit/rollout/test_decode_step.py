@@ -79,9 +79,6 @@ def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(l
         slow = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=slow_cache,
                      use_cache=True).logits[:, -1, :]
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
-    # the generator prefills this way only in fp32; under bf16 compute, through autocast's model.forward
-    assert HFGenerator(model, tiny_random(seed=3)[1])._fast_prefill
-    assert not HFGenerator(model, tiny_random(seed=3)[1], compute_dtype=torch.bfloat16)._fast_prefill
     real = mask.bool()
     for (fk, fv), (sk, sv) in zip(cache_layers(fast_cache), cache_layers(slow_cache), strict=True):
         assert fk.shape == sk.shape and torch.isfinite(fk).all() and torch.isfinite(fv).all()
@@ -236,7 +233,8 @@ def test_cascade_attention_over_shared_prompts_samples_what_model_forward_sample
 def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
     """``model.dtype: bfloat16`` under LoRA: frozen bf16 weights, fp32 adapters (trainer.models.fp32_masters).
     The cascade over shared prompts merges its parts by fp32 log-sum-exps; the result goes back to bf16 before
-    the output projection, and the fast step samples what model.forward samples, within bf16 rounding."""
+    the output projection, and the fast prefill and steps sample what model.forward samples, within bf16
+    rounding."""
     from ragen_core.trainer.models import fp32_masters
 
     model, tok = tiny_random(seed=4)
@@ -249,8 +247,12 @@ def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
     sessions = [f"s{i}" for i in range(len(prompts))]
     fast = HFGenerator(model, tok, fast_decode=True).generate(prompts, params, sessions)
     slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params, sessions)
-    for f, s in zip(fast, slow, strict=True):  # the first token: the same draw from the same distribution
-        assert f.token_ids[0] == s.token_ids[0]
+    # the first token: the same uniform draw from distributions that differ by bf16 rounding (the fast prefill
+    # multiplies by the merged bf16 weights, model.forward adds the adapters' product to the base's), so a draw
+    # that falls near a boundary between two tokens may go either way
+    same = [(f, s) for f, s in zip(fast, slow, strict=True) if f.token_ids[0] == s.token_ids[0]]
+    assert len(same) >= len(prompts) - 1
+    for f, s in same:
         assert abs(f.logprobs[0] - s.logprobs[0]) < 0.05
     assert sum(f.token_ids == s.token_ids for f, s in zip(fast, slow, strict=True)) >= len(prompts) - 2
 
