@@ -183,9 +183,9 @@ class RolloutConfig:
     max_context_tokens: int | None = F(None, "context cap for rollouts; None uses the model's limit", ge=16)
     backend: Literal["hf", "vllm"] = F("hf", "generation backend")
     cache_reuse: bool = F(True, "hf backend: keep each episode's KV cache across turns")
-    fast_decode: bool = F(True, "hf backend: decode Llama-family models with ragen's own step on oneDNN-packed "
-                                "weights (decode ~1.4x faster on CPU at 64 rows; log-probs equal model.forward's "
-                                "to float rounding); false: model.forward")
+    fast_decode: bool = F(True, "hf backend: prefill and decode Llama-family models with ragen's own step on "
+                                "oneDNN-packed weights, LoRA merged (decode ~1.4x faster on CPU at 64 rows; "
+                                "log-probs equal model.forward's to float rounding); false: model.forward")
     vllm_gpu_memory: float | None = F(
         None, "vllm backend on CUDA: share of the GPU's memory its engine may take (the trainer needs the rest; "
               "vLLM's own default, 0.9, leaves it none); None: sized from the model and the card (the weights, the "

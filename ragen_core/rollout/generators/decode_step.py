@@ -1,9 +1,12 @@
 """One decode step of a Llama-family model without ``model.forward``: the hf generator's default decode path.
 
-``HFGenerator`` (hf.py) prefills through ``model.forward`` and then runs every decode step through
-:class:`LlamaDecodeStep`, where ``RolloutConfig.fast_decode`` is on (the default) and :func:`decode_step_for`
-covers the model: Llama- or Qwen2-shaped, SiLU MLP without biases, no sliding window, weights not partitioned by
-ZeRO-3. For any other model, or with ``fast_decode`` off, decode steps go through ``model.forward``.
+``HFGenerator`` (hf.py) prefills through :meth:`LlamaDecodeStep.prefill` (the same weights and arithmetic, T
+tokens a row, attention by ``scaled_dot_product_attention`` with a mask that is causal over the new tokens) and
+then runs every decode step through :meth:`LlamaDecodeStep.step`, where ``RolloutConfig.fast_decode`` is on (the
+default) and :func:`decode_step_for` covers the model: Llama- or Qwen2-shaped, SiLU MLP without biases, no sliding
+window, weights not partitioned by ZeRO-3. For any other model, or with ``fast_decode`` off, prefills and decode
+steps go through ``model.forward``. The prefill gains most under LoRA: ``model.forward`` runs each adapted layer
+as the base matmul plus the adapter's two small ones, where the fused weights have the adapters merged.
 
 Why: a decode step feeds one token per row, so its weight matmuls have as many rows as the batch: small
 matmuls, which MKL (behind ``F.linear``) runs at about half its large-matmul rate. ``model.forward``'s own
@@ -330,6 +333,49 @@ class LlamaDecodeStep:
         self.last_hidden = hidden
         return self._linear(hidden, self._head)
 
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                cache: DynamicCache) -> torch.Tensor:
+        """Feed ``ids`` ([B, T] long, left-padded) at ``positions`` ([B, T] long) on top of ``cache`` (W - T
+        columns filled, room for T more); ``mask`` [B, W] (1 on real tokens) covers the cache and the new tokens.
+        Appends the new tokens' keys and values to ``cache`` and returns the logits of the last position [B, V]
+        (its hidden state: ``last_hidden``). The same weights and arithmetic as :meth:`step`, with T tokens a row:
+        the weight matmuls get B·T rows, at the packed kernels' full rate, and a query attends to the real
+        columns up to its own. A padding query attends to itself too, so every row of the softmax has a term and
+        the keys and values written for padding stay finite (the mask hides them from later queries)."""
+        if self._stale:
+            self._build()
+        b, t = ids.shape
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        g, width = nh // nkv, mask.shape[1]
+        x = self._embed[ids]  # [B, T, H]
+        cos, sin = self.rotary(x, positions)  # [B, T, d] each
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, d]: over heads
+        cols = torch.arange(width, device=ids.device)
+        own = (width - t + torch.arange(t, device=ids.device))[:, None]  # [T, 1] each query's column
+        allowed = ((mask[:, None, :] != 0) & (cols <= own)) | (cols == own)  # [B, T, W]
+        additive = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        # the g query heads that share a key/value head as its query rows (as in step): [B, 1, g·T, W]
+        attn_mask = additive[:, None, None].expand(b, 1, g, t, width).reshape(b, 1, g * t, width)
+        k_end = (nh + nkv) * d
+        for layer, kv in zip(self._layers, cast(list[Any], cache.layers), strict=True):
+            h = self._rms(x, layer.norm1)
+            qkv = self._linear(h.view(b * t, -1), layer.qkv, layer.qkv_bias).view(b, t, -1)
+            qk = qkv[..., :k_end].view(b, t, nh + nkv, d).transpose(1, 2)  # [B, nh + nkv, T, d]
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[..., k_end:].view(b, t, nkv, d).transpose(1, 2)  # [B, nkv, T, d]
+            keys, values = kv.update(k, v)  # [B, nkv, W, d]
+            q = q.reshape(b, nkv, g * t, d)  # heads h·g .. h·g + g - 1 read key/value head h
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
+            a = a.view(b, nh, t, d).transpose(1, 2).reshape(b * t, nh * d)
+            x = x + self._linear(a, layer.o, layer.o_bias).view(b, t, -1)
+            h = self._rms(x, layer.norm2).view(b * t, -1)
+            gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer.down).view(b, t, -1)
+        hidden = self._rms(x[:, -1], self._final_norm)  # [B, H]
+        self.last_hidden = hidden
+        return self._linear(hidden, self._head)
 
     def _cascade(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: SharedPrefix, layer: int,
                  own_mask: torch.Tensor) -> torch.Tensor:

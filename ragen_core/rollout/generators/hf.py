@@ -7,11 +7,12 @@ head's value of each sampled id's state (``value_head``).
 
 A call prefills, then decodes:
 
-- the prefill runs ``model.forward`` over each row's new prompt tokens, on top of its reused cache (on CPU with
-  attention.py's grouped-query SDPA). Rows with the same prompt and nothing reused (the N responses of a prompt
-  on their first turn) are prefilled once; rows go in groups of at most ``prefill_chunk_tokens`` padded tokens.
-  The keys and values land in preallocated buffers with room for the replies (kv.py), which decoding fills in
-  place;
+- the prefill runs each row's new prompt tokens, on top of its reused cache, through
+  ``decode_step.LlamaDecodeStep.prefill`` where the fast step covers the model (below): the decode step's fused,
+  packed weights with LoRA merged, T tokens a row; else through ``model.forward`` (on CPU with attention.py's
+  grouped-query SDPA). Rows with the same prompt and nothing reused (the N responses of a prompt on their first
+  turn) are prefilled once; rows go in groups of at most ``prefill_chunk_tokens`` padded tokens. The keys and
+  values land in preallocated buffers with room for the replies (kv.py), which decoding fills in place;
 - each decode step feeds one token per unfinished row through ``decode_step.LlamaDecodeStep`` where
   ``fast_decode`` is on (the default) and the model is covered (Llama, Qwen2): fused weight matmuls on
   oneDNN-packed weights, the fused CPU attention kernel of cpu_attention.py, and cascade attention over a prompt
@@ -19,10 +20,10 @@ A call prefills, then decodes:
   Finished rows leave the batch once the unfinished ones are fewer than ``shrink_below`` of it.
 
 ``compute_dtype`` bf16 over fp32 weights (the trainer's resolved ``trainer.precision``: bf16, or ``auto`` on a
-CPU with bf16 matmul instructions) samples as the trainer's bf16 autocast computes: prefills run under
-``torch.autocast`` and the cache they fill is converted back to the weights' dtype; the decode step runs its
-weight matmuls in bf16 (``model.forward`` steps run under autocast); the cache, the decode step's attention and
-the sampled log-probabilities stay fp32.
+CPU with bf16 matmul instructions) samples as the trainer's bf16 autocast computes: the fast step's prefill and
+decode run their weight matmuls in bf16 and keep the residual stream, attention and the cache in fp32;
+``model.forward`` prefills and steps run under ``torch.autocast``, and the cache they fill is converted back to the
+weights' dtype. The sampled log-probabilities stay fp32.
 
 Cross-turn cache reuse: with ``session_ids`` each episode keeps the keys/values of the
 tokens it has seen (previous prompt + generated ids, minus the last sampled id, which was never fed
@@ -405,6 +406,12 @@ class HFGenerator:
         if reused > 0:  # the kept caches stacked once, straight into buffers with room for the suffix and replies
             like = next(r.cached for r in group if r.cached is not None)
             cache = stacked_cache([r.cached for r in group], reused, like, room=new + room)
+        if self._step is not None:  # the fast step's weights and arithmetic, T tokens a row (decode_step.py)
+            if reused == 0:
+                cache = self._empty_cache(len(group), new + room)
+            logits = self._step.prefill(input_ids, positions, mask, cache).float()
+            self._hidden = self._step.last_hidden
+            return cache, mask, logits
         with self._autocast():
             out = self.model(
                 input_ids=input_ids,
@@ -420,6 +427,13 @@ class HFGenerator:
         if reused == 0 and room > 0:  # transformers' own cache: into growing buffers (one copy) to decode in
             return growing_cache(cache_layers(out.past_key_values), room), mask, logits
         return out.past_key_values, mask, logits
+
+    def _empty_cache(self, rows: int, room: int) -> DynamicCache:
+        """A growing cache with no columns filled and ``room`` free, in the model's dtype (as a kept cache is)."""
+        step = cast(LlamaDecodeStep, self._step)
+        weight = next(self.model.parameters())
+        shape = (rows, step.n_kv, room, step.head_dim)
+        return adopted_cache([(weight.new_empty(shape), weight.new_empty(shape)) for _ in range(step.n_layers)], 0)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         """``torch.autocast`` to ``compute_dtype``, or nothing."""

@@ -54,6 +54,40 @@ def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch() -> Non
 
 
 @pytest.mark.parametrize("lora", [False, True])
+def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(lora: bool) -> None:
+    """A later turn's prefill: rows of different kept lengths (left-padded, zeros) and different suffix lengths
+    (left-padded too), T tokens a row through the fast step, against model.forward over the same cache: the last
+    position's logits, and every real column of the cache; the padding's columns are finite."""
+    model, _ = tiny_random(seed=3)
+    if lora:
+        model = with_trained_lora(model, ["q_proj", "v_proj", "up_proj"])
+    model.eval()
+    step = decode_step_for(model)
+    assert step is not None
+    kept, suffixes = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]], [[17, 3, 25, 6], [40], [2, 2]]
+    fast_cache, kept_mask = _prefilled(model, kept)
+    slow_cache, _ = _prefilled(model, kept)
+    new = max(map(len, suffixes))
+    ids = torch.zeros(len(kept), new, dtype=torch.long)
+    mask = torch.cat([kept_mask, torch.zeros(len(kept), new, dtype=torch.long)], dim=1)
+    for b, sfx in enumerate(suffixes):
+        ids[b, new - len(sfx):] = torch.tensor(sfx)
+        mask[b, mask.shape[1] - len(sfx):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, kept_mask.shape[1]:]
+    fast = step.prefill(ids, positions, mask, fast_cache)
+    with torch.inference_mode():
+        slow = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=slow_cache,
+                     use_cache=True).logits[:, -1, :]
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    real = mask.bool()
+    for (fk, fv), (sk, sv) in zip(cache_layers(fast_cache), cache_layers(slow_cache), strict=True):
+        assert fk.shape == sk.shape and torch.isfinite(fk).all() and torch.isfinite(fv).all()
+        for b in range(len(kept)):  # heads x real columns
+            torch.testing.assert_close(fk[b][:, real[b]], sk[b][:, real[b]], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fv[b][:, real[b]], sv[b][:, real[b]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True])
 def test_generations_with_and_without_the_fast_step_agree(lora: bool) -> None:
     model, tok = tiny_random(seed=1)
     if lora:
@@ -199,7 +233,8 @@ def test_cascade_attention_over_shared_prompts_samples_what_model_forward_sample
 def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
     """``model.dtype: bfloat16`` under LoRA: frozen bf16 weights, fp32 adapters (trainer.models.fp32_masters).
     The cascade over shared prompts merges its parts by fp32 log-sum-exps; the result goes back to bf16 before
-    the output projection, and the fast step samples what model.forward samples, within bf16 rounding."""
+    the output projection, and the fast prefill and steps sample what model.forward samples, within bf16
+    rounding."""
     from ragen_core.trainer.models import fp32_masters
 
     model, tok = tiny_random(seed=4)
@@ -212,8 +247,12 @@ def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
     sessions = [f"s{i}" for i in range(len(prompts))]
     fast = HFGenerator(model, tok, fast_decode=True).generate(prompts, params, sessions)
     slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params, sessions)
-    for f, s in zip(fast, slow, strict=True):  # the first token: the same draw from the same distribution
-        assert f.token_ids[0] == s.token_ids[0]
+    # the first token: the same uniform draw from distributions that differ by bf16 rounding (the fast prefill
+    # multiplies by the merged bf16 weights, model.forward adds the adapters' product to the base's), so a draw
+    # that falls near a boundary between two tokens may go either way
+    same = [(f, s) for f, s in zip(fast, slow, strict=True) if f.token_ids[0] == s.token_ids[0]]
+    assert len(same) >= len(prompts) - 1
+    for f, s in same:
         assert abs(f.logprobs[0] - s.logprobs[0]) < 0.05
     assert sum(f.token_ids == s.token_ids for f, s in zip(fast, slow, strict=True)) >= len(prompts) - 2
 
