@@ -10,10 +10,13 @@ After ``model.warmup: self_distill`` (bench/warmup.py prints the same numbers an
 
 - demo (Bandit, 48-token replies): validity rises to >= 0.85 and task success stays within 0.25 of the
   random-policy level (the actions it trains on are random: it teaches the format, not the task);
-- Sokoban (5 turns, replies capped at 128 tokens for a CPU): validity rises to >= 0.7 over every turn,
-  and the first-turn thoughts stay state-dependent: I(X;Z) at least half of the base model's own
-  thoughts' (cut as the warm-up cuts them, since the base model rarely closes the block itself), at least
-  0.1 nats (15x the canned warm-up's), and retrieval accuracy above chance (1/8).
+- Sokoban (5 turns, replies capped at 128 tokens for a CPU): validity rises from <= 0.1 of the base model's
+  first turns to >= 0.7 over every turn, and the first-turn thoughts stay state-dependent (8 states x 8 replies): I(X;Z) at least
+  half of the base model's own thoughts' (cut as the warm-up cuts them, since the base model rarely closes
+  the block itself), above 5% of log 8 (0.104 nats: the template rule's floor, health.template_mi_floor; 17x the
+  canned warm-up's 0.006), and retrieval accuracy above chance (1/8). The collapse diagnostics
+  (``trainer.collapse.measure_collapse``) are checked on these real samples too: finite, MI at most log N
+  (plus Monte-Carlo noise), retrieval accuracy a probability.
 
 The thresholds were set from first principles (what the warm-up is for), not from the measured numbers;
 the numbers measured are in docs/concepts/fidelity.md (the format warm-up).
@@ -28,6 +31,7 @@ Run: .venv/bin/python -m pytest -m slow tests/integration/test_warmup_default_mo
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -76,21 +80,30 @@ def test_warmup_keeps_sokoban_thoughts_state_dependent() -> None:
     cfg = load_experiment(EXPERIMENTS / "sokoban-starpo-s.yaml", ["rollout.max_new_tokens=128"])
     tok = load_tokenizer(cfg.model.name)
     base = load_model(cfg.model.name)
-    before = warmup.format_stats(warmup.sample_episodes(base, tok, cfg, 32))
+    # the base model's first turns: with no history it closes no thought, and later turns only repeat it (5
+    # turns of 128-token replies would cost five times as much to say the same)
+    before = warmup.format_stats(warmup.sample_episodes(base, tok, _first_turn(cfg), 32))
     # the base model's own first-turn thoughts on 8 states x 4 replies, cut as the warm-up cuts them
     cut, _ = warmup.self_distill_dialogues(base, tok, _first_turn(cfg), 8, seed_start=0, n_per_group=4)
     mi_before = measure_collapse(base, tok, cut)
     path = warmup.warmup_model(cfg, progress=print)
     warmed = load_model(str(path))
     after = warmup.format_stats(warmup.sample_episodes(warmed, tok, cfg, 32))
-    grid = warmup.sample_episodes(warmed, tok, _first_turn(cfg), 8, n_per_group=4, sampling_seed=1)
+    # 8 states x 8 replies: one draw of 8 x 4 gave I(X;Z) from 0.08 to 0.48 nats on the same warmed model (3
+    # sampling seeds each on 6 warm-ups, mean 0.30, sd about 0.1); 8 per state halves the estimate's variance
+    grid = warmup.sample_episodes(warmed, tok, _first_turn(cfg), 8, n_per_group=8, sampling_seed=1)
     mi_after = measure_collapse(warmed, tok, grid)
     print(f"validity {before['validity']:.3f} -> {after['validity']:.3f}; I(X;Z) {mi_before['mi']:.3f} -> "
           f"{mi_after['mi']:.3f} of {mi_after['mi_upper_bound']:.2f}; retrieval {mi_before['retrieval_acc']:.3f} -> "
           f"{mi_after['retrieval_acc']:.3f} (chance {mi_after['retrieval_chance']:.3f}); "
           f"{mi_after['distinct_reasonings']:.0f} distinct of {mi_after['n_reasonings']:.0f}")
+    for m in (mi_before, mi_after):  # the diagnostics themselves on real samples: finite and in range
+        assert all(math.isfinite(v) for v in m.values())
+        assert -0.5 <= m["mi"] <= m["mi_upper_bound"] + 0.05  # an estimate: a little noise either way
+        assert m["retrieval_chance"] <= 1.0 and 0.0 <= m["retrieval_acc"] <= 1.0
     assert before["validity"] <= 0.1
     assert after["validity"] >= 0.7
-    assert mi_after["n_prompts"] == 8 and mi_after["n_reasonings"] >= 24  # most replies close their thought
-    assert mi_after["mi"] >= max(0.5 * mi_before["mi"], 0.1)
+    assert mi_after["n_prompts"] == 8 and mi_after["n_reasonings"] >= 48  # most replies close their thought
+    assert mi_after["mi"] >= 0.5 * mi_before["mi"]
+    assert mi_after["mi"] > 0.05 * mi_after["mi_upper_bound"]  # not template-collapsed
     assert mi_after["retrieval_acc"] > mi_after["retrieval_chance"]
