@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SMOKE = REPO / "experiments" / "smoke.yaml"
 PRESETS = ("starpo", "starpo-s")
+RUN_COLOURS = {"#c83243": "rgb(200, 50, 67)", "#137dae": "rgb(19, 125, 174)"}  # MLflow's palette: coral, turquoise
 
 
 @dataclass
@@ -101,6 +102,10 @@ def studied(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFact
             runs[preset] = Run(preset, r.info.run_id, r.info.run_name or "", flow_run_url.rstrip("/").split("/")[-1],
                                replies)
         assert sorted(runs) == sorted(PRESETS)
+        # MLflow's UI colours a run by a hash of its id into its palette, so two runs share a colour now and
+        # then (a CI run saw one colour in every chart for 60 s); its run-colour tag pins one colour a run
+        for run, colour in zip(runs.values(), RUN_COLOURS.values(), strict=True):
+            client.set_tag(run.run_id, "mlflow.runColor", colour)
         yield Studied(server, f"http://127.0.0.1:{prefect_server.port}", data, experiment.experiment_id, runs)
     finally:
         server.stop()
@@ -188,9 +193,8 @@ def test_mlflow_chart_view_compares_both_runs_first(chrome: Any, studied: Studie
     # the comparison section is the first the view shows: before the 14 actor/* charts and all the others
     assert text.index("0_compare") < text.index("actor\n")
     assert text.index("0_compare/4_grad_norm") < text.index("collapse/first_turn")
-    # every comparison chart is drawn: a plot whose lines come in two colours, one per run. The legends show
-    # before plotly has drawn every line (a CI run once saw one colour per chart right after them), so the
-    # charts get the same 60 s the text gets
+    # every comparison chart is drawn: a plot with a line in each run's colour. The legends can show before
+    # plotly has drawn every line, so the charts get the same 60 s the text gets
     from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
 
@@ -203,12 +207,13 @@ def test_mlflow_chart_view_compares_both_runs_first(chrome: Any, studied: Studie
         except WebDriverException:  # a plot redrawn while read
             return []
 
+    expected = [set(RUN_COLOURS.values())] * 4  # each run's line in its pinned colour (the studied fixture)
     deadline, drawn = time.monotonic() + 60, colours()
-    while [len(c) for c in drawn] != [2, 2, 2, 2] and time.monotonic() < deadline:
+    while drawn != expected and time.monotonic() < deadline:
         time.sleep(0.5)
         drawn = colours()
     assert len(drawn) >= 4, drawn  # the four comparison charts exist
-    assert [len(c) for c in drawn] == [2, 2, 2, 2], drawn
+    assert drawn == expected, drawn
     screenshot(chrome, tmp_path, "mlflow-compare")
 
 
