@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 from types import ModuleType
 
 import pytest
@@ -41,3 +42,11 @@ def require_module(name: str, reason: str) -> ModuleType:
     except ImportError as err:
         require(False, f"{reason} ({err})")
         raise  # unreachable: require skipped or failed
+
+
+def default_signals() -> None:
+    """A ``preexec_fn`` for a child a test signals: SIGINT and SIGHUP back to their default action. A child
+    inherits ignored signals, and pytest started in the background (``cmd &`` ignores SIGINT, ``nohup``
+    SIGHUP) would hand that on: the child would not see the signal the test sends (a run went on to its end)."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)

@@ -39,6 +39,7 @@ from mlflow import MlflowClient
 from safetensors.torch import load_file
 
 from ragen_core.store.parquet import read_run
+from tests.conftest import default_signals
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = "experiments/smoke.yaml"
@@ -63,7 +64,8 @@ def _start(args: list[str], data_dir: Path, log: Path, iterations: int, mark: st
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", SMOKE, *SETTINGS,
                                  "--set", f"trainer.iterations={iterations}", *args], cwd=REPO,
-                                env={**(env or _env(data_dir)), MARK: mark}, stdout=out, stderr=subprocess.STDOUT)
+                                env={**(env or _env(data_dir)), MARK: mark}, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=default_signals)
 
 
 def _left_behind(mark: str, wait_s: float = 30.0) -> list[str]:
@@ -174,5 +176,8 @@ def test_a_run_killed_by_any_signal_leaves_no_process_running(data_dir, tmp_path
     running = _left_behind(mark, wait_s=0)
     assert proc.poll() is None and any("uvicorn" in line for line in running), (running, log.read_text()[-3000:])
     proc.send_signal(sig)
-    proc.wait(timeout=60)
+    code = proc.wait(timeout=60)
+    print(f"{signal.Signals(sig).name}: exit {code}")
+    # the signal ended the run: a run that went on to its 100th iteration exits 0
+    assert code != 0 and "final evaluation" not in log.read_text(), (code, log.read_text()[-3000:])
     assert _left_behind(mark) == [], f"left running after {signal.Signals(sig).name}: {log.read_text()[-3000:]}"
