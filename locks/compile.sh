@@ -44,7 +44,7 @@ for kind in cpu gpu; do
     # upstream is not drift; a changed input (pyproject.toml, constraints.txt) or a pin that no longer
     # resolves is. Only the pins are compared: the "# via" comments also name the packages left out with
     # --no-emit-package, which have no pin to prefer, so a new upstream release of one of those can change
-    # a comment (torch's "# via" gained torchaudio in November 2026) without changing what gets installed.
+    # a comment (such as torch's "# via" list) without changing what gets installed.
     cp "locks/$kind.txt" "$tmp/$kind.txt"
     if ! compile "$kind" "$tmp/$kind.txt" "${!args_name}"; then
       echo "locks/$kind.txt: no longer resolves" >&2

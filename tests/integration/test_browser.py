@@ -102,8 +102,8 @@ def studied(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFact
             runs[preset] = Run(preset, r.info.run_id, r.info.run_name or "", flow_run_url.rstrip("/").split("/")[-1],
                                replies)
         assert sorted(runs) == sorted(PRESETS)
-        # MLflow's UI colours a run by a hash of its id into its palette, so two runs share a colour now and
-        # then (a CI run saw one colour in every chart for 60 s); its run-colour tag pins one colour a run
+        # MLflow's UI colours a run by a hash of its id into its palette, so two runs can share a colour (and
+        # the charts then show one); its run-colour tag pins one colour a run
         for run, colour in zip(runs.values(), RUN_COLOURS.values(), strict=True):
             client.set_tag(run.run_id, "mlflow.runColor", colour)
         yield Studied(server, f"http://127.0.0.1:{prefect_server.port}", data, experiment.experiment_id, runs)
