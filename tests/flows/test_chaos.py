@@ -177,7 +177,6 @@ def test_a_run_killed_by_any_signal_leaves_no_process_running(data_dir, tmp_path
     assert proc.poll() is None and any("uvicorn" in line for line in running), (running, log.read_text()[-3000:])
     proc.send_signal(sig)
     code = proc.wait(timeout=60)
-    print(f"{signal.Signals(sig).name}: exit {code}")
     # the signal ended the run: a run that went on to its 100th iteration exits 0
     assert code != 0 and "final evaluation" not in log.read_text(), (code, log.read_text()[-3000:])
     assert _left_behind(mark) == [], f"left running after {signal.Signals(sig).name}: {log.read_text()[-3000:]}"

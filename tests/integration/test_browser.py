@@ -104,7 +104,7 @@ def studied(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFact
         assert sorted(runs) == sorted(PRESETS)
         # MLflow's UI colours a run by a hash of its id into its palette, so two runs can share a colour (and
         # the charts then show one); its run-colour tag pins one colour a run
-        for run, colour in zip(runs.values(), RUN_COLOURS.values(), strict=True):
+        for run, colour in zip(runs.values(), RUN_COLOURS, strict=True):
             client.set_tag(run.run_id, "mlflow.runColor", colour)
         yield Studied(server, f"http://127.0.0.1:{prefect_server.port}", data, experiment.experiment_id, runs)
     finally:
