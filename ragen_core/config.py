@@ -617,8 +617,8 @@ class SweepConfig:
     collapse_drop: float = F(0.15, "a study: a run collapsed when its validation success ended this far below "
                                    "its peak", gt=0.0, le=1.0)
     run_memory_gib: float | None = F(None, "a study on a CPU (ragen study without --workers): memory one run needs, "
-                                           "GiB, to decide whether two run at a time; None: the largest peak its "
-                                           "runs measured so far (perf/peak_rss_gib), else 4", gt=0.0)
+                                           "GiB, to decide whether two run at a time; a larger peak its runs "
+                                           "measured (perf/peak_rss_gib) wins; None: that peak, else 4", gt=0.0)
     carry: str | None = F(None, "a JSON Lines file (relative to the sweep file) that carries the study's finished "
                                 "trials and their runs' tracking to another machine: rewritten after each trial, "
                                 "read when the study starts (ragen_core/sweeps/carry.py); commit it to resume a "

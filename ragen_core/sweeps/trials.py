@@ -101,19 +101,23 @@ def resumable_run(run_dir: str | None) -> str | None:
 
 
 def run_memory(plan: SweepPlan, url: str, default_bytes: int) -> tuple[int, str]:
-    """Memory one run of the study needs, in bytes, and where the figure comes from: the sweep's
-    ``run_memory_gib``, else the largest peak its runs measured so far (a resumed study), else ``default_bytes``."""
+    """Memory one run of the study needs, in bytes, and where the figure comes from: the larger of the sweep's
+    ``run_memory_gib`` and the largest peak its runs measured so far (a resumed study), else ``default_bytes``. A
+    measured peak above the setting wins: the setting was then too low, and two runs that do not fit thrash a
+    machine without swap until neither makes progress."""
     import optuna  # lazily: see the note at the top
 
-    if plan.sweep.run_memory_gib is not None:
-        return int(plan.sweep.run_memory_gib * 2**30), "run_memory_gib"
     try:
         trials = optuna.load_study(study_name=plan.sweep.name, storage=url).get_trials(deepcopy=False)
     except KeyError:  # a new study
         trials = []
     measured = max((int(t.user_attrs.get(PEAK_RSS_ATTR) or 0) for t in trials), default=0)
-    if measured:
-        return measured, "the largest peak its runs measured"
+    stated = int(plan.sweep.run_memory_gib * 2**30) if plan.sweep.run_memory_gib is not None else 0
+    if measured > stated:
+        return measured, "the largest peak its runs measured" + (
+            f", above its run_memory_gib {plan.sweep.run_memory_gib:g}" if stated else "")
+    if stated:
+        return stated, "run_memory_gib"
     return default_bytes, "the default"
 
 

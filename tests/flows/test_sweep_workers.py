@@ -49,8 +49,8 @@ def test_two_workers_share_one_sqlite_study(data_dir, tmp_path) -> None:
 
 def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_path) -> None:
     """`ragen study` without --workers: two runs at a time, each on half the cores, where no GPU is offered, there
-    are 2+ cores and memory for two runs; one otherwise. A run's memory: the study's run_memory_gib, else the
-    largest peak its runs measured (a resumed study), else 4 GiB. An OMP_NUM_THREADS set by the user is kept."""
+    are 2+ cores and memory for two runs; one otherwise. A run's memory: the larger of the study's run_memory_gib
+    and the largest peak its runs measured (a resumed study), else 4 GiB. An OMP_NUM_THREADS set by the user is kept."""
     from types import SimpleNamespace
 
     import psutil
@@ -83,7 +83,13 @@ def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_
             trial.set_user_attr("peak_rss_bytes", peak)
     assert sweep_module.study_workers(plan(name="measured"), said.append) == 1
     assert said[-1].endswith("a run needs 11.0 GiB (the largest peak its runs measured); --workers N to choose")
-    assert sweep_module.study_workers(plan(name="measured", gib=4), said.append) == 2  # the setting wins
+    # a measured peak above the setting wins (the setting was too low); a setting above the peaks stands
+    assert sweep_module.study_workers(plan(name="measured", gib=4), said.append) == 1
+    assert said[-1].endswith("a run needs 11.0 GiB (the largest peak its runs measured, above its run_memory_gib "
+                             "4); --workers N to choose")
+    machine(2, 23, [])  # room for two runs of 11 GiB, not of 12
+    assert sweep_module.study_workers(plan(name="measured", gib=12), said.append) == 1
+    assert said[-1].endswith("a run needs 12.0 GiB (run_memory_gib); --workers N to choose")
     machine(2, 23, [])
     assert sweep_module.study_workers(plan(name="measured"), said.append) == 2
     machine(8, 20, [])
