@@ -40,7 +40,7 @@ import resource
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,6 +134,9 @@ class Session:
     """(step name, done, total) progress callback of rollouts and evaluations; None: silent."""
     main: bool
     """This process writes the run's files and logs: rank 0 of a multi-process run (module docstring), or alone."""
+    memory: PeakMemory
+    """The run's peak resident memory and each step's (``perf/peak_rss_gib``), counted from the run's opening, so a
+    sweep worker's second trial does not inherit the first one's peak."""
     last_record: float
     """``time.perf_counter()`` at the previous recorded iteration (or the session's start): the wall time of an
     iteration, whatever runs it (the flow's tasks and tracking included), is ``timing/iteration_s``."""
@@ -142,7 +145,7 @@ class Session:
                  generator: Generator, logger: MetricLogger, monitor: CollapseMonitor, model_max_length: int | None,
                  history: list[dict[str, float]], rules: EarlyStopRules,
                  say: Callable[[str], None] = print,
-                 progress: Callable[[str, int, int], None] | None = None) -> None:
+                 progress: Callable[[str, int, int], None] | None = None, memory: PeakMemory | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.name = run_dir.name
@@ -159,6 +162,7 @@ class Session:
         self.say = say
         self.progress = progress
         self.main = distributed.is_main()
+        self.memory = memory or PeakMemory()
         self.last_record = time.perf_counter()
 
     @property
@@ -237,7 +241,7 @@ def open_session(
     pass rank 0's, see :func:`agree_run`). Every rank reads the checkpoint; rank 0 alone writes the folder.
     """
     check_world(cfg, distributed.world_size())
-    reset_peak_rss()  # perf/peak_rss_gib is this run's, also in a sweep worker that ran other trials before
+    memory = PeakMemory()  # perf/peak_rss_gib is this run's, also in a sweep worker that ran other trials before
     folder = RunDir.named(new_run_name(cfg)) if run_dir is None else RunDir(Path(run_dir))
     if distributed.is_main():
         folder.create()
@@ -274,7 +278,7 @@ def open_session(
     if distributed.is_main():
         folder.write_config(to_dict(cfg))
     sess = Session(cfg, folder.path, tokenizer, state, generator, logger, monitor, max_len, history, rules, say,
-                   progress)
+                   progress, memory)  # the run's peak counted from its opening, the model loads included
     sess.collapse_ema = collapse_ema
     return sess
 
@@ -307,7 +311,8 @@ def collect_rollouts(sess: Session) -> RolloutBatch:
                             model_max_length=sess.model_max_length, progress=_progress(sess, "rollout"))
 
     split = splits_rollouts(sess)
-    trajs = distributed.split_map(n_groups, play, split)  # every rank: all groups, in group order
+    with sess.memory.step("rollout") as peak:
+        trajs = distributed.split_map(n_groups, play, split)  # every rank: all groups, in group order
     seconds = time.perf_counter() - started
     state.env_seed_counter += n_groups
     gen = {k: sess.generator.stats.get(k, 0.0) - before.get(k, 0.0) for k in before}
@@ -319,6 +324,7 @@ def collect_rollouts(sess: Session) -> RolloutBatch:
     metrics["timing/rollout_s"] = seconds
     metrics["perf/generated_tokens"] = gen.get("generated_tokens", 0.0)
     metrics["perf/rollout_tokens_per_s"] = gen.get("generated_tokens", 0.0) / max(seconds, 1e-9)
+    metrics.update(peak)
     return RolloutBatch(state.iteration, trajs, metrics)
 
 
@@ -358,7 +364,9 @@ def tokenize_and_filter(sess: Session, rollouts: RolloutBatch) -> Selection:
     think = [float(sum(t.think_tokens for t in trajs[r].turns)) for r in rows]
     metrics = dict(result.metrics)
     if grad_buckets_due(sess):  # on every group, the dropped ones included, before the update moves the weights
-        metrics.update(grad_buckets(sess.state, full, sess.cfg))
+        with sess.memory.step("grad_buckets") as peak:
+            metrics.update(grad_buckets(sess.state, full, sess.cfg))
+        metrics.update(peak)
     batch = result.batch
     if sess.cfg.rollout.per_turn_rows and rows:  # the filter ranks whole trajectories; the update trains on turns
         batch = build_turn_batch([trajs[r] for r in rows], sess.tokenizer, sess.cfg.rollout, sess.model_max_length)
@@ -385,11 +393,13 @@ def update_policy(sess: Session, selection: Selection) -> UpdateStats:
     if asleep:  # the engine's weights and KV cache leave the GPU while the trainer runs
         sess.generator.sleep()  # type: ignore[attr-defined]
     try:
-        stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens,
-                       advantage_scale=selection.advantage_scale, kl_metric=kl_metric_due(sess))
+        with sess.memory.step("update") as peak:
+            stats = update(sess.state, selection.batch, sess.cfg, think_tokens=selection.think_tokens,
+                           advantage_scale=selection.advantage_scale, kl_metric=kl_metric_due(sess))
     finally:
         if asleep:
             sess.generator.wake()  # type: ignore[attr-defined]
+    stats.metrics.update(peak)
     # The hf generator samples from the actor itself (ZeRO-3 gathers per layer as it runs); a vLLM one
     # copies the weights, so they are gathered whole for it.
     gather = sess.state.full_weights() if sess.cfg.rollout.backend != "hf" else contextlib.nullcontext()
@@ -426,10 +436,11 @@ def diagnose(sess: Session, rollouts: RolloutBatch) -> dict[str, float]:
     rng = np.random.default_rng([sess.cfg.trainer.seed, rollouts.iteration, 7])
     picked = [trajs[i] for i in sorted(rng.permutation(len(trajs))[: d.collapse_samples])]
     model = sess.state.models.actor
-    scopes = {"first_turn": measure_collapse(model, sess.tokenizer, picked)}
-    if d.collapse_later_samples and any(len(t.turns) > 1 for t in trajs):
-        scopes["later_turns"] = measure_later_turns(model, sess.tokenizer, trajs, d.collapse_later_samples, rng)
-    out: dict[str, float] = {}
+    with sess.memory.step("diagnose") as peak:
+        scopes = {"first_turn": measure_collapse(model, sess.tokenizer, picked)}
+        if d.collapse_later_samples and any(len(t.turns) > 1 for t in trajs):
+            scopes["later_turns"] = measure_later_turns(model, sess.tokenizer, trajs, d.collapse_later_samples, rng)
+    out: dict[str, float] = dict(peak)
     for scope, m in scopes.items():
         if "marginal_std" in m:  # the EMA-normalised z-score (RAGEN-2 reference metrics, §7.3)
             prev = sess.collapse_ema.get(scope)
@@ -445,11 +456,12 @@ def evaluate_policy(sess: Session, seeds: int | None = None) -> dict[str, float]
     """Held-out seeds at the evaluation temperature on every eval env (SPEC §5)."""
     ev = sess.cfg.eval
     started = time.perf_counter()
-    result = evaluate(sess.cfg.eval_envs, sess.generator, sess.tokenizer, sess.cfg.rollout,
-                      heldout_seeds(seeds or ev.seeds, ev.seed_start), ev.samples, temperature=ev.temperature,
-                      sampling_seed=sess.cfg.trainer.seed, model_max_length=sess.model_max_length,
-                      progress=_progress(sess, "evaluate"), split=splits_rollouts(sess))
-    return {**result.metrics, "timing/eval_s": time.perf_counter() - started}
+    with sess.memory.step("eval") as peak:
+        result = evaluate(sess.cfg.eval_envs, sess.generator, sess.tokenizer, sess.cfg.rollout,
+                          heldout_seeds(seeds or ev.seeds, ev.seed_start), ev.samples, temperature=ev.temperature,
+                          sampling_seed=sess.cfg.trainer.seed, model_max_length=sess.model_max_length,
+                          progress=_progress(sess, "evaluate"), split=splits_rollouts(sess))
+    return {**result.metrics, "timing/eval_s": time.perf_counter() - started, **peak}
 
 
 def eval_due(sess: Session) -> bool:
@@ -469,11 +481,48 @@ def checkpoint_due(sess: Session) -> bool:
     return every > 0 and (sess.iteration % every == 0 or sess.done)
 
 
-def reset_peak_rss() -> None:
+def reset_peak_rss() -> bool:
     """Start this process's peak resident memory afresh where the kernel allows it (Linux: ``clear_refs`` 5 resets
-    VmHWM); elsewhere :func:`peak_rss_bytes` keeps counting from the process's start."""
-    with contextlib.suppress(OSError):
+    VmHWM); elsewhere :func:`peak_rss_bytes` keeps counting from the process's start. Whether it was reset."""
+    try:
         Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class PeakMemory:
+    """A run's peak resident memory (``perf/peak_rss_gib``) and, where the kernel lets the peak be reset (Linux),
+    each step's own (``perf/peak_rss_gib/<step>``: rollout, diagnose, grad_buckets, update, eval), so that a run
+    too large for its machine says which step to shrink. Each step resets the process's peak and reads it at its
+    end; the run's peak is the largest of those and of what came between. Elsewhere only the run's is logged,
+    counted from the process's start."""
+
+    def __init__(self) -> None:
+        self.per_step = reset_peak_rss()
+        self.peak = peak_rss_bytes()
+
+    def run_peak(self) -> int:
+        """The run's peak so far, in bytes."""
+        self.peak = max(self.peak, peak_rss_bytes())
+        return self.peak
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[dict[str, float]]:
+        """Measure the block's peak; the dict it yields holds ``perf/peak_rss_gib/<name>`` once the block ends
+        (empty where the peak cannot be reset)."""
+        out: dict[str, float] = {}
+        if not self.per_step:
+            yield out
+            return
+        self.run_peak()
+        reset_peak_rss()
+        try:
+            yield out
+        finally:
+            step_peak = peak_rss_bytes()
+            self.peak = max(self.peak, step_peak)
+            out[f"perf/peak_rss_gib/{name}"] = step_peak / 2**30
 
 
 def peak_rss_bytes() -> int:
@@ -493,7 +542,7 @@ def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection
     metrics = {**rollouts.metrics, **selection.metrics, **stats.metrics, **(val or {}), **(diagnostics or {})}
     now = time.perf_counter()
     metrics["timing/iteration_s"], sess.last_record = now - sess.last_record, now
-    metrics["perf/peak_rss_gib"] = peak_rss_bytes() / 2**30
+    metrics["perf/peak_rss_gib"] = sess.memory.run_peak() / 2**30
     report = sess.monitor.update(step, metrics.get("rollout/reward_std_all", metrics.get("rollout/reward_std", 0.0)),
                                  metrics.get("actor/entropy", 0.0), metrics.get("actor/grad_norm", 0.0),
                                  metrics.get("rollout/success", math.nan))

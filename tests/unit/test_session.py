@@ -218,3 +218,26 @@ print(before, high, after_free, peak_rss_bytes())
     # the peak stays when the memory is freed (the kernel's counts are per-CPU and lag by up to a few hundred kB)
     assert after_free >= high - 16 * 2**20
     assert after_reset <= high - 250 * 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the peak is reset only on Linux (clear_refs)")
+def test_each_step_logs_its_own_peak_memory_and_the_run_the_largest() -> None:
+    """perf/peak_rss_gib/<step>: a step's own peak, not one an earlier step left (each step resets the process's
+    peak); perf/peak_rss_gib, the run's, stays the largest. In a fresh process (see the test above)."""
+    import subprocess
+
+    script = """
+import numpy as np
+from ragen_core.session import PeakMemory
+memory = PeakMemory()
+with memory.step("big") as big:
+    block = np.ones(300 * 2**20 // 8)  # 300 MiB, every page written, freed before the step ends
+    del block
+with memory.step("small") as small:
+    pass
+print(big["perf/peak_rss_gib/big"], small["perf/peak_rss_gib/small"], memory.run_peak() / 2**30)
+"""
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    big, small, run = map(float, out.split())
+    assert big >= small + 250 / 1024
+    assert run >= big - 16 / 2**10

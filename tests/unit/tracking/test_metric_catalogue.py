@@ -3,6 +3,7 @@ reference, made from it, cannot fall behind the code."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,4 +59,7 @@ def test_a_run_logs_only_described_metrics(preset: str, extra: list[str], tmp_pa
     finish(sess)
     names = {name for _, metrics in log.metrics for name in metrics}
     assert "collapse/first_turn/mi" in names and "grad/zero/task" in names and "val/Bandit/success" in names
+    if sys.platform.startswith("linux"):  # each step's own peak memory, where the kernel resets the peak
+        steps = ("rollout", "diagnose", "grad_buckets", "update", "eval")
+        assert {f"perf/peak_rss_gib/{step}" for step in steps} <= names
     assert sorted(n for n in names if describe(n) is None) == []
