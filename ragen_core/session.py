@@ -36,11 +36,9 @@ import contextlib
 import json
 import logging
 import math
-import resource
 import shutil
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +49,7 @@ import torch
 from ragen_core import distributed
 from ragen_core.algos.collapse import MI_ZSCORE_EPS
 from ragen_core.config import ConfigError, ExperimentConfig, load_experiment, to_dict
+from ragen_core.memory import PeakMemory
 from ragen_core.models import causal_lm, load_model, load_tokenizer, resolve_model
 from ragen_core.rollout.batch import build_token_batch, build_turn_batch
 from ragen_core.rollout.engine_settings import generator_kwargs
@@ -479,60 +478,6 @@ def final_eval_due(sess: Session) -> bool:
 def checkpoint_due(sess: Session) -> bool:
     every = sess.cfg.trainer.checkpoint_every
     return every > 0 and (sess.iteration % every == 0 or sess.done)
-
-
-def reset_peak_rss() -> bool:
-    """Start this process's peak resident memory afresh where the kernel allows it (Linux: ``clear_refs`` 5 resets
-    VmHWM); elsewhere :func:`peak_rss_bytes` keeps counting from the process's start. Whether it was reset."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-class PeakMemory:
-    """A run's peak resident memory (``perf/peak_rss_gib``) and, where the kernel lets the peak be reset (Linux),
-    each step's own (``perf/peak_rss_gib/<step>``: rollout, diagnose, grad_buckets, update, eval), so that a run
-    too large for its machine says which step to shrink. Each step resets the process's peak and reads it at its
-    end; the run's peak is the largest of those and of what came between. Elsewhere only the run's is logged,
-    counted from the process's start."""
-
-    def __init__(self) -> None:
-        self.per_step = reset_peak_rss()
-        self.peak = peak_rss_bytes()
-
-    def run_peak(self) -> int:
-        """The run's peak so far, in bytes."""
-        self.peak = max(self.peak, peak_rss_bytes())
-        return self.peak
-
-    @contextlib.contextmanager
-    def step(self, name: str) -> Iterator[dict[str, float]]:
-        """Measure the block's peak; the dict it yields holds ``perf/peak_rss_gib/<name>`` once the block ends
-        (empty where the peak cannot be reset)."""
-        out: dict[str, float] = {}
-        if not self.per_step:
-            yield out
-            return
-        self.run_peak()
-        reset_peak_rss()
-        try:
-            yield out
-        finally:
-            step_peak = peak_rss_bytes()
-            self.peak = max(self.peak, step_peak)
-            out[f"perf/peak_rss_gib/{name}"] = step_peak / 2**30
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: Linux's VmHWM (since :func:`reset_peak_rss`), else ``ru_maxrss``."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # in kB
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux and the BSDs
 
 
 def record_iteration(sess: Session, rollouts: RolloutBatch, selection: Selection, stats: UpdateStats,

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from filelock import FileLock
 
 from ragen_core.config import ConfigError, SweepConfig, data_dir
+from ragen_core.memory import peak_rss_bytes
 from ragen_core.sweeps.objective import COST_KEYS, run_cost
 from ragen_core.tracking.early_stop import HEALTH_STOP
 
@@ -222,8 +223,6 @@ def trial_reporter(spec: Mapping[str, Any]) -> Callable[[Session, Mapping[str, f
     normally) and stores ``pruned_at``, which the objective turns into ``optuna.TrialPruned``.
     """
     import optuna  # lazily: see the note at the top
-
-    from ragen_core.session import peak_rss_bytes  # torch: the trial's process has it loaded already
 
     storage = open_storage(str(spec["storage"]))  # no heartbeat here: the worker running the objective beats
     name, number = str(spec["study_name"]), int(spec["trial_number"])

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragen_core.config import ConfigError, load_experiment
+from ragen_core.memory import release_free_memory
 from ragen_core.store.run_dir import RunDir
 from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics
 from ragen_core.sweeps.carry import carry_writer
@@ -195,9 +196,16 @@ def run_worker(plan: SweepPlan, url: str, parent_run_id: str | None, run_trial: 
     study = open_study(plan.sweep, plan.grid, url)
     if remaining_trials(study, plan.target, plan.grid) == 0:
         return
-    # catch: a crashing trial ends FAIL and the worker goes on with the next one
+    # catch: a crashing trial ends FAIL and the worker goes on with the next one. After each trial (and Optuna's
+    # garbage collection) the freed heap goes back to the system: a worker that had run one FrozenLake run held
+    # 14.6 GiB resident before its next run, 3.7 GiB of it live (ragen_core/memory.py)
     study.optimize(lambda trial: objective(trial, plan, url, parent_run_id, run_trial), catch=(Exception,),
-                   callbacks=[carry_writer(plan), stop_when_done(plan.target, plan.grid)], gc_after_trial=True)
+                   callbacks=[carry_writer(plan), stop_when_done(plan.target, plan.grid),
+                              _release_after_trial], gc_after_trial=True)
+
+
+def _release_after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    release_free_memory()
 
 
 def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str | None,

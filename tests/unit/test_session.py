@@ -202,7 +202,7 @@ def test_peak_memory_is_measured_and_starts_afresh_with_each_run() -> None:
 
     script = """
 import numpy as np
-from ragen_core.session import peak_rss_bytes, reset_peak_rss
+from ragen_core.memory import peak_rss_bytes, reset_peak_rss
 reset_peak_rss()
 before = peak_rss_bytes()
 block = np.ones(300 * 2**20 // 8)  # 300 MiB, every page written
@@ -228,7 +228,7 @@ def test_each_step_logs_its_own_peak_memory_and_the_run_the_largest() -> None:
 
     script = """
 import numpy as np
-from ragen_core.session import PeakMemory
+from ragen_core.memory import PeakMemory
 memory = PeakMemory()
 with memory.step("big") as big:
     block = np.ones(300 * 2**20 // 8)  # 300 MiB, every page written, freed before the step ends
@@ -241,3 +241,36 @@ print(big["perf/peak_rss_gib/big"], small["perf/peak_rss_gib/small"], memory.run
     big, small, run = map(float, out.split())
     assert big >= small + 250 / 1024
     assert run >= big - 16 / 2**10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_freed_heap_goes_back_to_the_system() -> None:
+    """release_free_memory: blocks freed below glibc's mmap threshold stay resident in the heap (a small block
+    after each keeps the heap from shrinking at its top) until malloc_trim gives their pages back. In a fresh
+    process, with the C allocator called directly so that no Python allocator stands between."""
+    import subprocess
+
+    script = """
+import ctypes, ctypes.util
+from ragen_core.memory import release_free_memory
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+blocks, pins = [], []
+for _ in range(4000):  # 4000 x 64 KiB = 250 MiB, below the 128 KiB mmap threshold: from the heap
+    block = libc.malloc(64 * 1024)
+    ctypes.memset(block, 1, 64 * 1024)
+    blocks.append(block)
+    pins.append(libc.malloc(64))
+for block in blocks:
+    libc.free(block)
+held = rss()
+given = release_free_memory()
+print(held, rss(), int(given))
+"""
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    held, after, given = map(int, out.split())
+    assert given == 1
+    assert after <= held - 200 * 2**20, (held, after)

@@ -66,9 +66,12 @@ def _term_grads(state, cfg, batch, rows: list[int]) -> dict[str, float]:
     return norms
 
 
-def test_each_terms_gradient_norm_per_bucket_is_the_terms_own_and_nothing_steps() -> None:
+@pytest.mark.parametrize("micro", [8, 2], ids=["one-forward-a-bucket", "a-forward-a-row"])
+def test_each_terms_gradient_norm_per_bucket_is_the_terms_own_and_nothing_steps(micro: int) -> None:
+    """Against each term's gradient over the bucket's rows at once, whether the analysis runs them in one forward
+    (half of micro-batch 8) or one row a forward (half of 2), its gradients added up."""
     cfg = make_cfg("grpo", "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.05", "trainer.precision=fp32",
-                   "diagnostics.grad_bucket_rows=4")
+                   "diagnostics.grad_bucket_rows=4", f"trainer.micro_batch_size={micro}")
     state = init_state(cfg)
     batch = _batch()
     before = [p.detach().clone() for p in trainable_parameters(state.models.actor)]
