@@ -25,6 +25,7 @@ or is running is skipped, so each point runs to completion exactly once.
 
 from __future__ import annotations
 
+import copy
 import contextlib
 import logging
 import os
@@ -66,6 +67,7 @@ __all__ = [
     "redact",
     "remaining_trials",
     "requeue_interrupted",
+    "requeue_lost",
     "running_trials",
     "settle",
     "stop_when_done",
@@ -82,8 +84,12 @@ log = logging.getLogger("ragen")
 PRUNED_REASON = "pruned by optuna"
 PEAK_RSS_ATTR = "peak_rss_bytes"
 """The user attribute holding a trial's run's peak resident memory (its process's ``perf/peak_rss_gib``)."""
+CRASHED_ATTR = "crashed"
+"""The user attribute of a trial whose objective raised (the error's type and message): its configuration fails,
+so its grid point is not run again. A FAIL trial with no such mark, no ``interrupted`` and no ``skipped`` lost
+its worker."""
 RESULT_ATTRS = ("curve", "val", "cost", "pruned_at", "health_stop", "mlflow_run_id", "run_dir", "skipped",
-                "interrupted", PEAK_RSS_ATTR)
+                "interrupted", CRASHED_ATTR, PEAK_RSS_ATTR)
 """User attributes a trial writes; cleared at the start of a trial (a retry inherits the failed one's)."""
 
 
@@ -278,7 +284,7 @@ def remaining_trials(study: optuna.Study, target: int, grid: Mapping[str, Sequen
 
     Grid: ``target`` points of this grid, each covered by any trial of it (a crashed one too:
     the same configuration would crash again; a lost or interrupted one is covered by its
-    retry). Otherwise: every trial counts, failed ones too, except those that were retried.
+    retry, which :func:`requeue_lost` and :func:`requeue_interrupted` queue when it is missing). Otherwise: every trial counts, failed ones too, except those that were retried.
     """
     from optuna.trial import TrialState  # lazily: see the note at the top
 
@@ -370,6 +376,34 @@ def stop_when_done(
     return callback
 
 
+def requeue_lost(study: optuna.Study, retries: int) -> list[int]:
+    """Queue the retry of each lost worker's trial whose retry was never written, at most ``retries`` retries a
+    grid point, as the storage's heartbeat callback would have. Returns the numbers of the trials queued again.
+
+    The heartbeat marks a silent worker's trial FAIL and then writes its retry in a second step; when that write
+    fails (a sqlite database locked while the machine thrashed), the trial is left FAIL with no retry and would
+    count as a crash that covers its grid point. A lost trial is told apart by what it lacks: a crash is marked
+    ``crashed``, an interruption ``interrupted``, a skipped duplicate ``skipped``.
+    """
+    import optuna  # lazily: see the note at the top
+    from optuna.trial import TrialState  # lazily: see the note at the top
+
+    trials = study.get_trials(deepcopy=False)
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=retries)
+        for t in trials:
+            marked = any(t.user_attrs.get(key) for key in ("interrupted", CRASHED_ATTR, "skipped"))
+            if t.state == TrialState.FAIL and not marked and t.number not in retried:
+                before = len(study.get_trials(deepcopy=False))
+                retry(study, copy.deepcopy(t))  # a copy: the callback appends to the trial's own retry_history
+                if len(study.get_trials(deepcopy=False)) > before:
+                    out.append(t.number)
+    return out
+
+
 def requeue_interrupted(study: optuna.Study) -> list[int]:
     """Queue once more the trials that ended FAIL because their run was interrupted (Ctrl-C, SIGTERM).
 
@@ -391,7 +425,7 @@ def requeue_interrupted(study: optuna.Study) -> list[int]:
         for t in trials:
             if t.state == TrialState.FAIL and t.user_attrs.get("interrupted") and t.number not in retried:
                 before = len(study.get_trials(deepcopy=False))
-                retry(study, t)  # Optuna's own retry: same params and grid point, retry_history kept
+                retry(study, copy.deepcopy(t))  # Optuna's own retry: same params and grid point, retry_history kept
                 if len(study.get_trials(deepcopy=False)) > before:
                     out.append(t.number)
     return out

@@ -33,6 +33,7 @@ from ragen_core.sweeps.carry import carry_writer
 from ragen_core.sweeps.objective import objective_value
 from ragen_core.sweeps.space import SweepPlan, suggest_params, trial_experiment
 from ragen_core.sweeps.study import (
+    CRASHED_ATTR,
     PEAK_RSS_ATTR,
     RESULT_ATTRS,
     DuplicateTrial,
@@ -43,6 +44,7 @@ from ragen_core.sweeps.study import (
     redact,
     remaining_trials,
     requeue_interrupted,
+    requeue_lost,
     settle,
     stop_when_done,
     trial_record,
@@ -165,7 +167,8 @@ def stop_workers(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP
 
 def run_trials(plan: SweepPlan, study: optuna.Study, url: str, parent_run_id: str | None, workers: int,
                run_trial: TrialRunner, spawn: Callable[[int], Any]) -> None:
-    """Rounds of trials until none is left to start: each round queues interrupted trials again, runs
+    """Rounds of trials until none is left to start: each round queues interrupted trials again (and lost ones
+    whose retry was never written), runs
     what is left (here, or in ``spawn``-ed worker processes), then waits for running trials (a lost worker's go
     FAIL and are queued again). Ends early when a round finishes no trial, so a stuck study stops; raises
     :class:`NoWorker` when the pool took no trial up."""
@@ -173,6 +176,7 @@ def run_trials(plan: SweepPlan, study: optuna.Study, url: str, parent_run_id: st
     study.set_user_attr(STALLED_ATTR, None)
     while True:
         requeue_interrupted(study)
+        requeue_lost(study, plan.sweep.retries)
         todo = remaining_trials(study, plan.target, plan.grid)
         if not todo and finished is not None:
             return
@@ -210,7 +214,21 @@ def _release_after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -
 
 def objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str | None,
               run_trial: TrialRunner) -> float | tuple[float, float]:
-    """One trial: the train flow on the base experiment plus this trial's overrides."""
+    """One trial: the train flow on the base experiment plus this trial's overrides. A trial that raises is
+    marked ``crashed`` (its grid point is not run again), unless it was interrupted or skipped."""
+    import optuna  # lazily: see study.py's note
+
+    try:
+        return _objective(trial, plan, url, parent_run_id, run_trial)
+    except (optuna.TrialPruned, DuplicateTrial, NoWorker):
+        raise
+    except Exception as e:
+        trial.set_user_attr(CRASHED_ATTR, f"{type(e).__name__}: {e}"[:500])
+        raise
+
+
+def _objective(trial: optuna.Trial, plan: SweepPlan, url: str, parent_run_id: str | None,
+               run_trial: TrialRunner) -> float | tuple[float, float]:
     import optuna  # lazily: see study.py's note
 
     resume = resumable_run(trial_record(trial.study, trial.number).user_attrs.get("run_dir"))

@@ -19,6 +19,7 @@ from ragen_core.sweeps import (
     plan_sweep,
     remaining_trials,
     requeue_interrupted,
+    requeue_lost,
     run_cost,
     table_rows,
     trial_experiment,
@@ -367,3 +368,45 @@ def test_every_row_says_what_it_cost(tmp_path: Path) -> None:
     assert [(r["tokens"], r["update_s"], r["wall_s"]) for r in table.rows] == [(1000.0, 3.0, 10.0), (4000.0, 9.0, 30.0)]
     paths = write_table(table, tmp_path, "t")
     assert paths["cost_png"].read_bytes()[:4] == b"\x89PNG"  # success against generated tokens
+
+
+def test_a_lost_trial_whose_retry_was_never_written_is_queued_once() -> None:
+    """The heartbeat fails a silent worker's trial and writes its retry in a second step; when that write is
+    lost, the trial has no mark and no retry: it is queued then, up to ``retries`` retries. Crashed, interrupted
+    and skipped trials are not."""
+    study = grid_study()
+    lost, crashed = study.ask(), study.ask()
+    for t in (lost, crashed):
+        t.suggest_categorical("k", [1, 2, 3])
+    crashed.set_user_attr("crashed", "RuntimeError: update exploded")
+    study.tell(lost, state=optuna.trial.TrialState.FAIL)
+    study.tell(crashed, state=optuna.trial.TrialState.FAIL)
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 1  # before: the lost point looks done
+    assert requeue_lost(study, retries=0) == []  # a study without retries keeps it failed
+    assert requeue_lost(study, retries=1) == [0]
+    assert requeue_lost(study, retries=1) == []  # queued once
+    waiting = study.trials[-1]
+    assert waiting.state.name == "WAITING" and waiting.system_attrs["failed_trial"] == 0
+    assert waiting.system_attrs["grid_id"] == study.trials[0].system_attrs["grid_id"]
+    assert remaining_trials(study, 3, grid={"k": [1, 2, 3]}) == 2  # the third point and the retry
+    retry = study.ask()  # the retry is lost the same way: it has had its one retry
+    assert retry.number == waiting.number
+    study.tell(retry, state=optuna.trial.TrialState.FAIL)
+    assert requeue_lost(study, retries=1) == []
+    assert requeue_lost(study, retries=2) == [retry.number]
+
+
+def test_a_trial_that_raises_is_marked_crashed_and_not_queued_again(base: Path, tmp_path: Path) -> None:
+    from ragen_core.sweeps.trials import run_worker
+
+    plan = plan_sweep(sweep_file(tmp_path, f"knobs: {{responses_per_prompt: [4, 8]}}\nstorage: sqlite:///{tmp_path}/o.db\n"))
+    url = f"sqlite:///{tmp_path}/o.db"
+
+    def explode(parameters: dict) -> None:
+        raise RuntimeError("update exploded")
+
+    run_worker(plan, url, None, explode)
+    study = optuna.load_study(study_name=plan.sweep.name, storage=url)
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"]
+    assert all(t.user_attrs["crashed"] == "RuntimeError: update exploded" for t in study.trials)
+    assert requeue_lost(study, retries=3) == [] and remaining_trials(study, plan.target, plan.grid) == 0
