@@ -25,8 +25,8 @@ or is running is skipped, so each point runs to completion exactly once.
 
 from __future__ import annotations
 
-import copy
 import contextlib
+import copy
 import logging
 import os
 import socket
@@ -282,9 +282,10 @@ def _live(t: optuna.trial.FrozenTrial) -> bool:
 def remaining_trials(study: optuna.Study, target: int, grid: Mapping[str, Sequence[Any]] | None) -> int:
     """Trials still to start (queued retries included) before the study has ``target`` trials.
 
-    Grid: ``target`` points of this grid, each covered by any trial of it (a crashed one too:
-    the same configuration would crash again; a lost or interrupted one is covered by its
-    retry, which :func:`requeue_lost` and :func:`requeue_interrupted` queue when it is missing). Otherwise: every trial counts, failed ones too, except those that were retried.
+    Grid: ``target`` points of this grid, each covered by any trial of it (a crashed one too: the same
+    configuration would crash again; a lost or interrupted one is covered by its retry, which
+    :func:`requeue_lost` and :func:`requeue_interrupted` queue when it is missing). Otherwise: every trial
+    counts, failed ones too, except those that were retried.
     """
     from optuna.trial import TrialState  # lazily: see the note at the top
 

@@ -168,10 +168,9 @@ def stop_workers(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP
 def run_trials(plan: SweepPlan, study: optuna.Study, url: str, parent_run_id: str | None, workers: int,
                run_trial: TrialRunner, spawn: Callable[[int], Any]) -> None:
     """Rounds of trials until none is left to start: each round queues interrupted trials again (and lost ones
-    whose retry was never written), runs
-    what is left (here, or in ``spawn``-ed worker processes), then waits for running trials (a lost worker's go
-    FAIL and are queued again). Ends early when a round finishes no trial, so a stuck study stops; raises
-    :class:`NoWorker` when the pool took no trial up."""
+    whose retry was never written), runs what is left (here, or in ``spawn``-ed worker processes), then waits
+    for running trials (a lost worker's go FAIL and are queued again). Ends early when a round finishes no
+    trial, so a stuck study stops; raises :class:`NoWorker` when the pool took no trial up."""
     finished = None
     study.set_user_attr(STALLED_ATTR, None)
     while True:
