@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import prefect.deployments
 from prefect import flow
@@ -51,6 +51,9 @@ from ragen_core.sweeps.trials import (
 )
 from tasks import sweep_steps as steps
 
+if TYPE_CHECKING:
+    import optuna
+
 
 @flow(name="ragen-sweep")
 def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None) -> str:
@@ -67,10 +70,8 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
           f"{dashboard_command(url)}")
     status = "FAILED"
     try:
-        env = worker_env(threads=worker_threads(plan, workers))
         run_trials(plan, study, url, parent.run_id, workers, run_trial=lambda params: run_trial(plan, params),
-                   spawn=lambda n: steps.spawn_workers(worker_command(plan, overrides, parent.run_id), env, n,
-                                                          study))
+                   spawn=spawner(plan, overrides, parent.run_id, study))
         close_lost_runs(plan, study.get_trials(deepcopy=False))
         carry_out(plan, study)
         summary = steps.publish_results(plan, study, parent, url)
@@ -95,10 +96,10 @@ def study_workers(plan: SweepPlan, say: Callable[[str], None] = print) -> int:
     """Runs at a time for ``ragen study`` without ``--workers``: two on a machine that offers no GPU, has two cores
     or more and memory for two runs (:func:`~ragen_core.sweeps.trials.run_memory`: ``run_memory_gib``, the largest
     peak the study's runs measured, else :data:`STUDY_RUN_BYTES`), each worker on half the cores
-    (:func:`worker_threads`); else one. Two runs of one thread each make more iterations than one run of two
-    threads (vanilla StarPO on studies/echo-trap-bandit.yaml on two cores: an iteration each every 21.6 s against
-    one every 16.9 s, 1.56x the throughput): small matmuls and the decode loop's Python leave one process short of
-    both cores."""
+    (:func:`worker_threads`; a round with one trial left gives its one worker all of them, :func:`spawner`); else
+    one. Two runs of one thread each make more iterations than one run of two threads (vanilla StarPO on
+    studies/echo-trap-bandit.yaml on two cores: an iteration each every 21.6 s against one every 16.9 s, 1.56x the
+    throughput): small matmuls and the decode loop's Python leave one process short of both cores."""
     import psutil  # lazily: only this decision needs it
 
     if plan.sweep.dispatch != "local" or gpus.offered() or (os.cpu_count() or 1) < 2:
@@ -117,6 +118,18 @@ def worker_threads(plan: SweepPlan, workers: int) -> int | None:
     if workers < 2 or plan.sweep.dispatch != "local" or gpus.offered():
         return None
     return max(1, (os.cpu_count() or 1) // workers)
+
+
+def spawner(plan: SweepPlan, overrides: list[str], parent_run_id: str, study: optuna.Study
+            ) -> Callable[[int], list[int]]:
+    """What starts a round's ``n`` worker processes, the cores shared out among those ``n``: a round with one
+    trial left (a study's last run, a resumed study's one unfinished run) starts one worker on all the cores."""
+
+    def spawn(n: int) -> list[int]:
+        env = worker_env(threads=worker_threads(plan, n))
+        return steps.spawn_workers(worker_command(plan, overrides, parent_run_id), env, n, study)
+
+    return spawn
 
 
 def local_workers(plan: SweepPlan, workers: int) -> int:

@@ -106,6 +106,16 @@ def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_
     assert "OMP_NUM_THREADS" not in sweep_module.worker_env()
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert sweep_module.worker_env(threads=1)["OMP_NUM_THREADS"] == "3"
+    # each round shares the cores among the workers it starts: with one trial left, its one worker gets them all
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    machine(2, 20, [])
+    started: list[tuple[int, str | None]] = []
+    monkeypatch.setattr(sweep_module.steps, "spawn_workers",
+                        lambda cmd, env, n, study: started.append((n, env.get("OMP_NUM_THREADS"))) or [0] * n)
+    spawn = sweep_module.spawner(SimpleNamespace(sweep=SimpleNamespace(dispatch="local"), path="s.yaml"), [], "p",
+                                 None)
+    assert spawn(2) == [0, 0] and spawn(1) == [0]
+    assert started == [(2, "1"), (1, None)]
 
 
 def test_a_worker_alive_after_its_trial_stopped_beating_is_killed(tmp_path) -> None:
