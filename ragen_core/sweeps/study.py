@@ -386,23 +386,11 @@ def requeue_lost(study: optuna.Study, retries: int) -> list[int]:
     count as a crash that covers its grid point. A lost trial is told apart by what it lacks: a crash is marked
     ``crashed``, an interruption ``interrupted``, a skipped duplicate ``skipped``.
     """
-    import optuna  # lazily: see the note at the top
-    from optuna.trial import TrialState  # lazily: see the note at the top
 
-    trials = study.get_trials(deepcopy=False)
-    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
-    out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=retries)
-        for t in trials:
-            marked = any(t.user_attrs.get(key) for key in ("interrupted", CRASHED_ATTR, "skipped"))
-            if t.state == TrialState.FAIL and not marked and t.number not in retried:
-                before = len(study.get_trials(deepcopy=False))
-                retry(study, copy.deepcopy(t))  # a copy: the callback appends to the trial's own retry_history
-                if len(study.get_trials(deepcopy=False)) > before:
-                    out.append(t.number)
-    return out
+    def lost(t: optuna.trial.FrozenTrial) -> bool:
+        return not any(t.user_attrs.get(key) for key in ("interrupted", CRASHED_ATTR, "skipped"))
+
+    return _requeue(study, lost, retries)
 
 
 def requeue_interrupted(study: optuna.Study) -> list[int]:
@@ -414,6 +402,14 @@ def requeue_interrupted(study: optuna.Study) -> list[int]:
     retried by the storage's heartbeat callback instead, at most ``retries`` times. Returns the numbers of the
     trials queued again.
     """
+
+    return _requeue(study, lambda t: bool(t.user_attrs.get("interrupted")), None)
+
+
+def _requeue(study: optuna.Study, pick: Callable[[optuna.trial.FrozenTrial], bool], max_retry: int | None
+             ) -> list[int]:
+    """Optuna's own retry (same params and grid point, ``retry_history`` kept; none past ``max_retry``) of each
+    FAIL trial ``pick`` chooses that has no retry yet; the numbers of the trials queued again."""
     import optuna  # lazily: see the note at the top
     from optuna.trial import TrialState  # lazily: see the note at the top
 
@@ -422,11 +418,11 @@ def requeue_interrupted(study: optuna.Study) -> list[int]:
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
         for t in trials:
-            if t.state == TrialState.FAIL and t.user_attrs.get("interrupted") and t.number not in retried:
+            if t.state == TrialState.FAIL and t.number not in retried and pick(t):
                 before = len(study.get_trials(deepcopy=False))
-                retry(study, copy.deepcopy(t))  # Optuna's own retry: same params and grid point, retry_history kept
+                retry(study, copy.deepcopy(t))  # a copy: the callback appends to the trial's own retry_history
                 if len(study.get_trials(deepcopy=False)) > before:
                     out.append(t.number)
     return out
