@@ -13,6 +13,7 @@ response and think length, update seconds over iterations) and one PNG per curve
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from prefect import flow
 from flows._ui import publish_markdown
 from ragen_core import compare as cmp
 from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics, write_study
+from ragen_core.sweeps.trials import local_run_dir, with_shard_metrics
 from ragen_core.tracking.history import find_group, tracking_uri_for
 from tasks import compare_steps as steps
 
@@ -35,7 +37,9 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
     under that run, e.g. a study's or sweep's parent) add their runs to ``runs``. With ``group_by`` (a tag:
     ``preset``, ``algo``) the runs are also aggregated by its value (ragen_core/sweeps/aggregate.py): curves
     with a band over seeds, a table per group (final and peak success mean ± std, collapsed seeds at a
-    success ``drop``), and the monitor's hits and misses, as ``study/`` in ``out_dir``.
+    success ``drop``), and the monitor's hits and misses, as ``study/`` in ``out_dir``; a run whose folder is
+    on this machine gets the metrics read from its replies and states where its tracking lacks them
+    (``ragen_core.sweeps.trials.with_shard_metrics``).
 
     ``tracking_uri`` defaults to the one recorded in the first run given by a local run name or
     directory, else ``$MLFLOW_TRACKING_URI`` or ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``.
@@ -53,6 +57,9 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
         refs += [r for r in find_group(uri, tags, parent) if r not in refs]
     fetched = steps.fetch_runs(uri, refs, study_metrics() if group_by else (), STUDY_PREFIXES if group_by else ())
     histories = [f.history for f in fetched]
+    if group_by:  # the metrics read from the replies and states, for runs whose tracking lacks them
+        histories = [dataclasses.replace(h, histories=with_shard_metrics(h.histories, local_run_dir(h.name)))
+                     for h in histories]
     files = cmp.write_outputs(histories, Path(out_dir))
     study_md = ""
     if group_by:

@@ -56,7 +56,7 @@ from ragen_core.rollout.engine_settings import generator_kwargs
 from ragen_core.rollout.evaluate import evaluate, heldout_seeds
 from ragen_core.rollout.generators import Generator, make_generator
 from ragen_core.rollout.loop import run_rollouts
-from ragen_core.rollout.metrics import rollout_metrics, step_group_share
+from ragen_core.rollout.metrics import rollout_metrics, step_group_metrics
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking import (
     CollapseMonitor,
@@ -318,8 +318,7 @@ def collect_rollouts(sess: Session) -> RolloutBatch:
     if split:  # each rank generated its share of the tokens
         gen = distributed.sum_values(gen)
     metrics = rollout_metrics(trajs)
-    if cfg.algorithm.estimator == "gigpo":
-        metrics["rollout/step_group_share"] = step_group_share(trajs)
+    metrics.update(step_group_metrics(trajs))
     metrics["timing/rollout_s"] = seconds
     metrics["perf/generated_tokens"] = gen.get("generated_tokens", 0.0)
     metrics["perf/rollout_tokens_per_s"] = gen.get("generated_tokens", 0.0) / max(seconds, 1e-9)

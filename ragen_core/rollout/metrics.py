@@ -12,8 +12,9 @@ return, unbiased as in the StarPO-S filter, averaged over groups of 2 or more),
 ``rollout/format_ok_ratio`` (turns whose reply parsed with only valid actions),
 ``rollout/truncated_ratio``, ``rollout/dropped_turns_mean`` (context guard),
 ``response/length_mean`` and ``response/think_length_mean`` (tokens per reply),
-``response/clip_ratio`` (replies cut at max_new_tokens). Under GiGPO the session adds
-``rollout/step_group_share`` (:func:`step_group_share`).
+``response/clip_ratio`` (replies cut at max_new_tokens). Where the env keys its states the session adds how
+often they recurred within a prompt group (GiGPO's step groups, :func:`step_group_metrics`):
+``rollout/step_group_share`` over every turn and ``rollout/step_group_share_later`` over the turns after the first.
 
 Template collapse read from the replies themselves (:func:`first_turn_metrics`, over each trajectory's first
 turn, where every member of a prompt group sees the same state): ``rollout/first_empty_think`` (share with no
@@ -40,7 +41,7 @@ from ragen_core.rollout.batch import turn_state_ids
 from ragen_core.types import Trajectory
 
 __all__ = ["MI_SHUFFLES", "first_turn_metrics", "group_reward_std", "pass_at_n", "plugin_mi", "rollout_metrics",
-           "step_group_share"]
+           "step_group_metrics", "step_group_share"]
 
 MI_SHUFFLES = 20
 """Shuffles behind ``rollout/first_action_mi_shuffled`` (seeded: the metric is a function of the batch)."""
@@ -71,13 +72,29 @@ def group_reward_std(trajectories: Sequence[Trajectory]) -> float:
     return _mean(stds)
 
 
-def step_group_share(trajectories: Sequence[Trajectory]) -> float:
+def step_group_share(trajectories: Sequence[Trajectory], first_turn: int = 0) -> float:
     """Share of turns whose GiGPO step group has 2 or more turns: how often a prompt group's turns met again in one
-    state (``advantages.step_groups``: same group id, same ``Turn.state_key``; a turn without a key is alone)."""
+    state (``advantages.step_groups``: same group id, same ``Turn.state_key``; a turn without a key is alone).
+
+    The step groups are formed from every turn; the share counts the turns from index ``first_turn`` on. Every
+    group's first turns act on the one initial state, so ``first_turn=1`` gives the share among the turns whose
+    states the trajectories reached by their own moves."""
     ids = turn_state_ids(trajectories)
     sizes = Counter((t.group_id, i) for t, row in zip(trajectories, ids, strict=True) for i in row)
-    n_turns = sum(sizes.values())
-    return sum(n for n in sizes.values() if n >= 2) / n_turns if n_turns else 0.0
+    counted = [sizes[(t.group_id, i)] for t, row in zip(trajectories, ids, strict=True) for i in row[first_turn:]]
+    return sum(n >= 2 for n in counted) / len(counted) if counted else 0.0
+
+
+def step_group_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``rollout/step_group_share`` over every turn and ``rollout/step_group_share_later`` over the turns after the
+    first (:func:`step_group_share`; absent when no episode had a second turn); empty when no turn has a state key
+    (an env without ``state_key``)."""
+    if not any(turn.state_key for t in trajectories for turn in t.turns):
+        return {}
+    metrics = {"rollout/step_group_share": step_group_share(trajectories)}
+    if any(len(t.turns) > 1 for t in trajectories):
+        metrics["rollout/step_group_share_later"] = step_group_share(trajectories, first_turn=1)
+    return metrics
 
 
 def plugin_mi(xs: Sequence[Hashable], ys: Sequence[Hashable]) -> float:

@@ -42,6 +42,7 @@ __all__ = [
     "RULE_PATIENCE_KEYS",
     "RUN_CSV_METRICS",
     "SIGNALS",
+    "STEP_GROUP_METRICS",
     "STUDY_CURVES",
     "STUDY_PREFIXES",
     "GroupRow",
@@ -62,6 +63,7 @@ __all__ = [
     "rule_patience",
     "run_rows",
     "signal_fires",
+    "step_group_markdown",
     "study_metrics",
     "summary_metrics",
     "write_study",
@@ -106,11 +108,15 @@ STUDY_PREFIXES = ("grad/",)
 REPLY_METRICS = ("rollout/first_empty_think", "rollout/first_distinct", "rollout/first_top_share",
                  "rollout/first_action_mi", "rollout/first_action_mi_shuffled")
 """Template collapse read from the replies (rollout/metrics.py ``first_turn_metrics``); a study fills them in from
-a run's trajectory shards where its tracking lacks them (trials.py ``with_reply_metrics``)."""
+a run's trajectory shards where its tracking lacks them (trials.py ``with_shard_metrics``)."""
+STEP_GROUP_METRICS = ("rollout/step_group_share", "rollout/step_group_share_later")
+"""How often a prompt group's turns met again in one state (GiGPO's step groups; rollout/metrics.py
+``step_group_metrics``), over every turn and over the turns after the first; filled in from the shards too."""
 RUN_CSV_METRICS = ("val/success", "rollout/success", "rollout/reward_std_all", "rollout/reward_std_kept",
                    "actor/entropy", "actor/grad_norm", "response/length_mean", "response/clip_ratio",
                    "response/think_length_mean", "rollout/format_ok_ratio", "collapse/first_turn/mi",
-                   *REPLY_METRICS, "health/early_warning", "health/level_gap", "timing/update_s", "timing/rollout_s")
+                   *REPLY_METRICS, *STEP_GROUP_METRICS, "health/early_warning", "health/level_gap", "timing/update_s",
+                   "timing/rollout_s")
 """The columns of a study's per-run curves (runs.csv), one row per run and iteration."""
 
 
@@ -503,6 +509,28 @@ def reply_markdown(groups: Mapping[str, Sequence[RunHistory]], span: int = 3) ->
                  rows)]
 
 
+def step_group_markdown(groups: Mapping[str, Sequence[RunHistory]]) -> list[str]:
+    """Per run, how often states recurred within a prompt group (:data:`STEP_GROUP_METRICS`): the mean over its
+    iterations, with the lowest and highest iteration. Empty when no run has them."""
+    def spread(series: Series) -> str:
+        values = [float(v) for _, v in series if math.isfinite(float(v))]
+        if not values:
+            return "-"
+        return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+    rows = [(run.name, group, *(spread(run.histories.get(m, ())) for m in STEP_GROUP_METRICS))
+            for group, runs in groups.items() for run in runs
+            if any(run.histories.get(m) for m in STEP_GROUP_METRICS)]
+    if not rows:
+        return []
+    return ["", "## How often states recurred (step groups)", "",
+            ("Each run's share of turns that acted on a state another turn of the same prompt group also acted on "
+             "(GiGPO's step groups: only these turns get a step advantage; a step group of one adds nothing), over "
+             "every turn and over the turns after the first (a group's first turns all act on its initial state): "
+             "the mean over the run's iterations (lowest-highest)."), "",
+            *_md(["run", "group", "all turns", "turns after the first"], rows)]
+
+
 def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "preset", drop: float = 0.15,
                 patience: Mapping[str, int] | None = None, title: str = "study", lead: int = 10) -> dict[str, Path]:
     """study.md, groups.csv, monitor.csv, episodes.csv (sweeps/accounting.py: what each run did and the
@@ -524,7 +552,8 @@ def write_study(runs: Sequence[RunHistory], out_dir: Path, group_by: str = "pres
     report = study_markdown(title, table, judgements, moves, drop)
     grads = grad_rows(groups)
     paths["md"].write_text(report + "\n" + "\n".join([*accounting.accounting_markdown(verdicts, lead),
-                                                       *grad_markdown(grads), *reply_markdown(groups)]) + "\n")
+                                                       *grad_markdown(grads), *reply_markdown(groups),
+                                                       *step_group_markdown(groups)]) + "\n")
     if grads:
         paths["grad"] = _write_csv(out_dir / "grad.csv", ["run", group_by, "seed", "iteration", "bucket",
                                                           *GRAD_COLUMNS], grads)

@@ -352,17 +352,18 @@ def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> 
     fetched = fetch_runs(tracking_uri(base), [t.user_attrs["mlflow_run_id"] for t in ran], study_metrics(),
                          STUDY_PREFIXES)
     return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}},
-                                histories=with_reply_metrics(f.history.histories, t.user_attrs.get("run_dir")))
+                                histories=with_shard_metrics(f.history.histories, t.user_attrs.get("run_dir")))
             for f, t in zip(fetched, ran, strict=True)]
 
 
-def with_reply_metrics(histories: dict[str, Series], run_dir: str | None) -> dict[str, Series]:
-    """``histories`` with the first-turn reply metrics (``rollout.metrics.first_turn_metrics``) computed from the
-    run's trajectory shards at the iterations its tracking lacks them (runs made by code that did not log them);
+def with_shard_metrics(histories: dict[str, Series], run_dir: str | None) -> dict[str, Series]:
+    """``histories`` with the metrics read from the replies and states (``rollout.metrics``: the first-turn reply
+    metrics of ``first_turn_metrics``, how often states recurred in ``step_group_metrics``) computed from the run's
+    trajectory shards at the iterations its tracking lacks them (runs made by code that did not log them);
     unchanged when the run's folder is not here."""
     if not run_dir or not Path(run_dir).is_dir():
         return histories
-    from ragen_core.rollout.metrics import first_turn_metrics  # lazily: torch comes with it
+    from ragen_core.rollout.metrics import first_turn_metrics, step_group_metrics  # lazily: torch comes with it
     from ragen_core.store.parquet import read_run, read_trajectories
 
     frame = read_run(run_dir)
@@ -370,8 +371,18 @@ def with_reply_metrics(histories: dict[str, Series], run_dir: str | None) -> dic
         return histories
     out = dict(histories)
     for iteration in sorted(int(i) for i in frame["iteration"].unique()):
-        for key, value in first_turn_metrics(read_trajectories(frame[frame["iteration"] == iteration])).items():
+        trajs = read_trajectories(frame[frame["iteration"] == iteration])
+        for key, value in {**first_turn_metrics(trajs), **step_group_metrics(trajs)}.items():
             logged = dict(out.get(key, ()))
             logged.setdefault(iteration, value)
             out[key] = tuple(sorted(logged.items()))
     return out
+
+
+def local_run_dir(name: str) -> str | None:
+    """The folder of the run ``name`` under ``$RAGEN_DATA_DIR/runs`` (or ``name`` itself if it is a run folder), or
+    None when it is not on this machine."""
+    try:
+        return str(RunDir.find(name).path)
+    except FileNotFoundError:
+        return None

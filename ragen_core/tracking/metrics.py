@@ -50,8 +50,10 @@ METRICS: dict[str, str] = {
                                "the state (an unparsed reply counts as one more action)",
     "rollout/first_action_mi_shuffled": "rollout/first_action_mi with the actions shuffled across the batch (mean "
                                         "of 20): its level with no dependence at this sample size",
-    "rollout/step_group_share": "gigpo: share of turns whose step group (same prompt group, same state) has 2 or more "
-                                "turns; only these get a step advantage",
+    "rollout/step_group_share": "share of turns whose step group (same prompt group, same state) has 2 or more "
+                                "turns; under gigpo only these get a step advantage (envs with state keys)",
+    "rollout/step_group_share_later": "rollout/step_group_share over the turns after the first (a group's first "
+                                      "turns all act on its initial state)",
     "rollout/logprob_gap_mean": "mean |trainer - rollout| log-prob over the generated tokens (engine mismatch)",
     "rollout/logprob_gap_max": "largest |trainer - rollout| log-prob over the generated tokens",
     # response/: reply lengths

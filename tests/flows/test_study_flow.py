@@ -95,6 +95,9 @@ def test_compare_takes_a_group_by_parent_or_by_tag(study_run, tmp_path) -> None:
     uri = f"sqlite:///{data}/mlflow.db"
     text = compare(runs=[], out_dir=str(tmp_path / "a"), tracking_uri=uri, parent="tiny-study", group_by="preset")
     assert "4 runs by preset" in text and (tmp_path / "a" / "study" / "curves.png").exists()
+    # Bandit keys its one state: every member of a prompt group acts on it, and no episode has a later turn
+    recurred = (tmp_path / "a" / "study" / "study.md").read_text().split("## How often states recurred")[1]
+    assert recurred.count("| 1.00 (1.00-1.00) | - |") == 4
     assert (tmp_path / "a" / "study" / "grad.csv").read_text() == (data / "sweeps" / "tiny-study" / "study" /
                                                                    "grad.csv").read_text()
     text = compare(runs=[], out_dir=str(tmp_path / "b"), tracking_uri=uri, tags={"study": "tiny-study", "seed": "1"},

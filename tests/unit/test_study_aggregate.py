@@ -205,6 +205,23 @@ def test_the_reply_metrics_at_a_runs_start_and_end(tmp_path: Path) -> None:
     assert "| b |" not in md.split("Template signals in the replies")[1]
 
 
+def test_how_often_states_recurred_per_run(tmp_path: Path) -> None:
+    # all turns 0.9, 0.8, 1.0 (mean 0.9); later turns 0.6, 0.9, 0.9 (mean 0.8)
+    keyed = run("g", "gigpo", 0, val__success=[(0, 0.1)],
+                rollout__step_group_share=[(0, 0.9), (1, 0.8), (2, 1.0)],
+                rollout__step_group_share_later=[(0, 0.6), (1, 0.9), (2, 0.9)])
+    plain = run("b", "starpo", 0, val__success=[(0, 0.1)])
+    paths = write_study([keyed, plain], tmp_path / "study", group_by="preset", patience=PATIENCE)
+    section = paths["md"].read_text().split("## How often states recurred (step groups)")[1]
+    assert "| g | gigpo | 0.90 (0.80-1.00) | 0.80 (0.60-0.90) |" in section
+    assert "| b |" not in section
+    per_run = paths["runs"].read_text().splitlines()
+    header = per_run[0].split(",")
+    row = dict(zip(header, next(r for r in per_run if r.startswith("g,gigpo,0,1,")).split(","), strict=True))
+    assert float(row["rollout/step_group_share"]) == 0.8 and float(row["rollout/step_group_share_later"]) == 0.9
+    assert "step groups" not in write_study([plain], tmp_path / "plain", patience=PATIENCE)["md"].read_text()
+
+
 def test_gradient_buckets_by_group(tmp_path: Path) -> None:
     # two measurements (steps 0 and 5) of one run per group; the zero bucket of starpo-s is empty at step 5
     # (rows 0, no term logged) and the le_0.2 bucket is empty in both

@@ -144,20 +144,39 @@ def test_package_exports_resolve_to_the_same_objects_in_any_import_order() -> No
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_a_study_fills_in_the_reply_metrics_from_a_runs_shards(tmp_path) -> None:
-    """Runs from before the first-turn metrics were logged get them from their Parquet shards (sweeps/trials.py
-    with_reply_metrics); a value tracking has wins; a run whose folder is not here keeps what tracking has."""
+def test_a_study_fills_in_the_reply_and_state_metrics_from_a_runs_shards(tmp_path, monkeypatch) -> None:
+    """Runs from before the first-turn and step-group metrics were logged get them from their Parquet shards
+    (sweeps/trials.py with_shard_metrics); a value tracking has wins; a run whose folder is not here keeps what
+    tracking has."""
+    from dataclasses import replace
+
     from ragen_core.store.parquet import write_shard
-    from ragen_core.sweeps.trials import with_reply_metrics
+    from ragen_core.sweeps.trials import local_run_dir, with_shard_metrics
 
     run = tmp_path / "run"
     write_shard(run, 0, TRAJS)
-    write_shard(run, 1, TRAJS[:2])
+    # iteration 1: group (A, 1) of two trajectories with state keys: turns ['s', 't'] and ['s'] -> s shared (2 of
+    # 3 turns); the one later turn, t, alone (0 of 1)
+    keyed = [replace(TRAJS[3], turns=(replace(TRAJS[3].turns[0], state_key="s"),
+                                      replace(TRAJS[3].turns[1], state_key="t"))),
+             replace(TRAJS[2], turns=(replace(TRAJS[2].turns[0], state_key="s"),))]
+    write_shard(run, 1, keyed)
     logged = {"rollout/first_empty_think": ((1, 0.9),), "val/success": ((0, 0.5),)}
-    got = with_reply_metrics(logged, str(run))
+    got = with_shard_metrics(logged, str(run))
     assert got["rollout/first_empty_think"] == ((0, pytest.approx(2 / 5)), (1, 0.9))
     assert got["rollout/first_action_mi"] == ((0, pytest.approx(0.8 * math.log(1.25) + 0.2 * math.log(5))),
                                               (1, 0.0))  # one group at iteration 1: no dependence to measure
+    # iteration 0 has no state keys (an env without them): nothing is filled in there
+    assert got["rollout/step_group_share"] == ((1, pytest.approx(2 / 3)),)
+    assert got["rollout/step_group_share_later"] == ((1, 0.0),)
     assert got["val/success"] == ((0, 0.5),)
-    assert with_reply_metrics(logged, str(tmp_path / "elsewhere")) == logged
-    assert with_reply_metrics(logged, None) == logged
+    assert with_shard_metrics(logged, str(tmp_path / "elsewhere")) == logged
+    assert with_shard_metrics(logged, None) == logged
+    # a run is found by its folder or by its name under $RAGEN_DATA_DIR/runs (ragen compare fills in from it)
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path / "data"))
+    named = tmp_path / "data" / "runs" / "lake-20260101-000000"
+    named.mkdir(parents=True)
+    (named / "config.yaml").write_text("{}\n")
+    assert local_run_dir("lake-20260101-000000") == str(named)
+    assert local_run_dir(str(named)) == str(named)
+    assert local_run_dir("elsewhere-20260101-000000") is None

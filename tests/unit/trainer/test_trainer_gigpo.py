@@ -19,7 +19,7 @@ from ragen_core.envs import make
 from ragen_core.models import load_tokenizer
 from ragen_core.rollout.batch import build_token_batch
 from ragen_core.rollout.loop import run_rollouts
-from ragen_core.rollout.metrics import step_group_share
+from ragen_core.rollout.metrics import step_group_metrics, step_group_share
 from ragen_core.rollout.scripted import ScriptedGenerator
 from ragen_core.trainer.update import compute_advantages
 from ragen_core.types import TokenBatch
@@ -86,8 +86,24 @@ def test_step_group_share_counts_turns_in_groups_of_two_or_more(lake_rollouts) -
 
     two = [keyed(trajs[0], ["a", "b"]), keyed(trajs[1], ["a", ""])]
     assert step_group_share(two) == 0.5
+    assert step_group_share(two, first_turn=1) == 0.0  # later turns b and '': both alone
     assert step_group_share([keyed(trajs[0], ["", ""]), keyed(trajs[1], ["", ""])]) == 0.0  # unknown: never grouped
     assert step_group_share([]) == 0.0
+    # a later turn meets an earlier one: turns ['a', 'b'] and ['b', 'a'] -> every turn shared; later turns 2 of 2
+    crossed = [keyed(trajs[0], ["a", "b"]), keyed(trajs[1], ["b", "a"])]
+    assert step_group_share(crossed) == 1.0 and step_group_share(crossed, first_turn=1) == 1.0
+    # ['a', 'b'], ['a', 'c'] and a third member ['a', 'b'] -> later turns b, c, b: 2 of 3 shared; all turns 5 of 6
+    three = [keyed(trajs[0], ["a", "b"]), keyed(trajs[1], ["a", "c"]), keyed(trajs[0], ["a", "b"])]
+    assert step_group_share(three) == pytest.approx(5 / 6)
+    assert step_group_share(three, first_turn=1) == pytest.approx(2 / 3)
+    assert step_group_metrics(three) == {"rollout/step_group_share": pytest.approx(5 / 6),
+                                         "rollout/step_group_share_later": pytest.approx(2 / 3)}
+    assert step_group_metrics([keyed(trajs[0], ["", ""])]) == {}  # no keys: an env without state_key
+    one_turn = [replace(t, turns=t.turns[:1]) for t in three]  # single-turn episodes: no later turns to count
+    assert step_group_metrics(one_turn) == {"rollout/step_group_share": 1.0}
+    # another prompt group never joins a step group: the same keys in group 1 are alone there
+    other = [keyed(trajs[0], ["a", "b"]), replace(keyed(trajs[1], ["a", "b"]), group_id=trajs[0].group_id + 1)]
+    assert step_group_share(other) == 0.0
 
 
 def _two_turn_batch() -> TokenBatch:
@@ -187,6 +203,7 @@ def test_a_smoke_run_trains_with_gigpo_and_logs_the_step_group_share(tmp_path, m
         assert row["rollout/update_skipped"] == 0.0
         assert math.isfinite(row["actor/pg_loss"]) and math.isfinite(row["actor/grad_norm"])
         assert 0.0 < row["rollout/step_group_share"] <= 1.0  # each group's first turns share the initial state
+        assert 0.0 <= row["rollout/step_group_share_later"] <= row["rollout/step_group_share"]
     names = {name for _, metrics in log.metrics for name in metrics}
-    assert "rollout/step_group_share" in names
+    assert {"rollout/step_group_share", "rollout/step_group_share_later"} <= names
     assert sorted(n for n in names if describe(n) is None) == []
