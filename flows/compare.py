@@ -22,7 +22,7 @@ from prefect import flow
 from flows._ui import publish_markdown
 from ragen_core import compare as cmp
 from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics, write_study
-from ragen_core.sweeps.trials import local_run_dir, with_shard_metrics
+from ragen_core.sweeps.shards import local_run_dir, with_shard_metrics
 from ragen_core.tracking.history import find_group, tracking_uri_for
 from tasks import compare_steps as steps
 
@@ -39,7 +39,7 @@ def compare(runs: list[str], out_dir: str = "compare-out", tracking_uri: str | N
     with a band over seeds, a table per group (final and peak success mean ± std, collapsed seeds at a
     success ``drop``), and the monitor's hits and misses, as ``study/`` in ``out_dir``; a run whose folder is
     on this machine gets the metrics read from its replies and states where its tracking lacks them
-    (``ragen_core.sweeps.trials.with_shard_metrics``).
+    (``ragen_core.sweeps.shards.with_shard_metrics``).
 
     ``tracking_uri`` defaults to the one recorded in the first run given by a local run name or
     directory, else ``$MLFLOW_TRACKING_URI`` or ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``.

@@ -108,7 +108,7 @@ STUDY_PREFIXES = ("grad/",)
 REPLY_METRICS = ("rollout/first_empty_think", "rollout/first_distinct", "rollout/first_top_share",
                  "rollout/first_action_mi", "rollout/first_action_mi_shuffled")
 """Template collapse read from the replies (rollout/metrics.py ``first_turn_metrics``); a study fills them in from
-a run's trajectory shards where its tracking lacks them (trials.py ``with_shard_metrics``)."""
+a run's trajectory shards where its tracking lacks them (shards.py ``with_shard_metrics``)."""
 STEP_GROUP_METRICS = ("rollout/step_group_share", "rollout/step_group_share_later")
 """How often a prompt group's turns met again in one state (GiGPO's step groups; rollout/metrics.py
 ``step_group_metrics``), over every turn and over the turns after the first; filled in from the shards too."""

@@ -14,7 +14,9 @@ added to the Optuna study as finished, and its run is made again in MLflow under
 ``carried_from`` with its first id. The report, ``ragen compare --parent`` and the grid sampler then treat it
 like a trial that ran here.
 
-What does not travel: run folders (checkpoints, trajectory shards, curves.png) and artifacts. A trial that was
+What does not travel: run folders (checkpoints, trajectory shards, curves.png) and artifacts. The metrics a
+report reads from a run's shards where its tracking lacks them (:mod:`ragen_core.sweeps.shards`) are filled into
+the run's histories before it is written, so they travel. A trial that was
 running when the file was written is not in it and runs again from its start. Lines are sorted by grid point,
 so a diff shows what changed.
 
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from filelock import FileLock
 
 from ragen_core.config import ConfigError, load_experiment
+from ragen_core.sweeps.shards import with_shard_metrics
 from ragen_core.sweeps.space import SweepPlan
 from ragen_core.tracking.factory import tracking_uri
 from ragen_core.tracking.history import export_run, import_run
@@ -75,7 +78,7 @@ def trial_lines(study: optuna.Study, uri: str | None, known: Mapping[str, Mappin
         if run_id and run_id in known:
             run = known[run_id]["run"]
         elif run_id and uri:
-            run = export_run(uri, run_id)
+            run = _with_shard_metrics(export_run(uri, run_id), t.user_attrs.get("run_dir"))
         out.append({
             "carry": CARRY_VERSION, "study": study.study_name, "number": t.number, "state": t.state.name,
             "params": t.params, "distributions": {k: distribution_to_json(d) for k, d in t.distributions.items()},
@@ -86,6 +89,14 @@ def trial_lines(study: optuna.Study, uri: str | None, known: Mapping[str, Mappin
             "datetime_complete": t.datetime_complete.isoformat() if t.datetime_complete else None,
             "run": run})
     return sorted(out, key=lambda r: (_point(r["params"]), r["number"]))
+
+
+def _with_shard_metrics(run: dict[str, Any], run_dir: str | None) -> dict[str, Any]:
+    """An :func:`export_run` record with the metrics read from the run's trajectory shards where its tracking lacks
+    them (the shards do not travel)."""
+    series = {name: tuple((int(step), value) for step, value in points) for name, points in run["metrics"].items()}
+    filled = with_shard_metrics(series, run_dir)
+    return {**run, "metrics": {name: [[step, value] for step, value in points] for name, points in filled.items()}}
 
 
 def read_carry(path: str | os.PathLike[str], study_name: str) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from ragen_core.store.run_dir import RunDir
 from ragen_core.sweeps.aggregate import STUDY_PREFIXES, study_metrics
 from ragen_core.sweeps.carry import carry_writer
 from ragen_core.sweeps.objective import objective_value
+from ragen_core.sweeps.shards import with_shard_metrics
 from ragen_core.sweeps.space import SweepPlan, suggest_params, trial_experiment
 from ragen_core.sweeps.study import (
     CRASHED_ATTR,
@@ -55,7 +56,7 @@ from ragen_core.tracking import MetricLogger, MLflowLogger, NullLogger, flatten_
 from ragen_core.tracking.factory import tracking_uri
 from ragen_core.tracking.history import fail_running_runs, fetch_runs
 from ragen_core.tracking.outbox import OutboxMismatch
-from ragen_core.tracking.run_history import RunHistory, Series
+from ragen_core.tracking.run_history import RunHistory
 from ragen_core.tracking.run_meta import experiment_name
 
 if TYPE_CHECKING:
@@ -354,35 +355,3 @@ def trial_histories(plan: SweepPlan, trials: list[optuna.trial.FrozenTrial]) -> 
     return [dataclasses.replace(f.history, tags={**f.history.tags, **{k: str(v) for k, v in t.params.items()}},
                                 histories=with_shard_metrics(f.history.histories, t.user_attrs.get("run_dir")))
             for f, t in zip(fetched, ran, strict=True)]
-
-
-def with_shard_metrics(histories: dict[str, Series], run_dir: str | None) -> dict[str, Series]:
-    """``histories`` with the metrics read from the replies and states (``rollout.metrics``: the first-turn reply
-    metrics of ``first_turn_metrics``, how often states recurred in ``step_group_metrics``) computed from the run's
-    trajectory shards at the iterations its tracking lacks them (runs made by code that did not log them);
-    unchanged when the run's folder is not here."""
-    if not run_dir or not Path(run_dir).is_dir():
-        return histories
-    from ragen_core.rollout.metrics import first_turn_metrics, step_group_metrics  # lazily: torch comes with it
-    from ragen_core.store.parquet import read_run, read_trajectories
-
-    frame = read_run(run_dir)
-    if frame.empty:
-        return histories
-    out = dict(histories)
-    for iteration in sorted(int(i) for i in frame["iteration"].unique()):
-        trajs = read_trajectories(frame[frame["iteration"] == iteration])
-        for key, value in {**first_turn_metrics(trajs), **step_group_metrics(trajs)}.items():
-            logged = dict(out.get(key, ()))
-            logged.setdefault(iteration, value)
-            out[key] = tuple(sorted(logged.items()))
-    return out
-
-
-def local_run_dir(name: str) -> str | None:
-    """The folder of the run ``name`` under ``$RAGEN_DATA_DIR/runs`` (or ``name`` itself if it is a run folder), or
-    None when it is not on this machine."""
-    try:
-        return str(RunDir.find(name).path)
-    except FileNotFoundError:
-        return None

@@ -6,6 +6,7 @@ not fit the study is refused before anything is added."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import optuna
@@ -145,3 +146,43 @@ def test_a_carry_file_that_cannot_be_written_is_said_and_the_study_goes_on(tmp_p
     assert carry_out(plan, study, say=said.append) is None
     assert len(said) == 1 and "could not write the carry file" in said[0]
     assert [p.name for p in (tmp_path / "repo" / "carry").iterdir()] == ["carried.jsonl"]  # as it was, no leftover
+
+
+def test_the_metrics_read_from_a_runs_shards_travel_in_the_carry_file(tmp_path) -> None:
+    """A run made before the step-group metrics were logged has them only in its Parquet shards, which stay on the
+    machine: the carry file gets them filled in (sweeps/shards.py), so the report on the next machine has them."""
+    from mlflow.entities import Metric
+
+    from ragen_core.store.parquet import write_shard
+    from ragen_core.sweeps.carry import trial_lines
+    from ragen_core.types import Trajectory, Turn
+
+    def turn(key: str) -> Turn:
+        return Turn("obs", (1,), (5,), (-1.0,), "r", ("Up",), 0.0, 0.0, True, "stop", 0, 1, state_key=key)
+
+    run_dir = tmp_path / "run"
+    # one group of two trajectories: turns ['s', 't'] and ['s'] -> 2 of 3 turns in a step group of 2 or more;
+    # the one later turn, t, alone (0 of 1)
+    ends = {"success": False, "terminated": True, "truncated": False}
+    write_shard(run_dir, 0, [Trajectory("Lake", 0, 0, (turn("s"), turn("t")), **ends),
+                             Trajectory("Lake", 0, 0, (turn("s"),), **ends)])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("lake"), run_name="lake-20260101-000000")
+    client.log_batch(run.info.run_id, metrics=[Metric("val/success", 0.5, 0, 0)])
+    client.set_terminated(run.info.run_id)
+    study = optuna.create_study()
+    study.add_trial(optuna.trial.create_trial(
+        params={"trainer.seed": 0}, distributions={"trainer.seed": optuna.distributions.CategoricalDistribution([0])},
+        value=0.5, user_attrs={"mlflow_run_id": run.info.run_id, "run_dir": str(run_dir)}))
+
+    (record,) = trial_lines(study, uri)
+    metrics = record["run"]["metrics"]
+    assert metrics["val/success"] == [[0, 0.5]]
+    assert metrics["rollout/step_group_share"] == [[0, pytest.approx(2 / 3)]]
+    assert metrics["rollout/step_group_share_later"] == [[0, 0.0]]
+    assert "run_dir" not in record["user_attrs"]
+    # once the run's folder is gone, what tracking has is written as it is
+    shutil.rmtree(run_dir)
+    (again,) = trial_lines(study, uri)
+    assert again["run"]["metrics"] == {"val/success": [[0, 0.5]]}

@@ -146,12 +146,12 @@ def test_package_exports_resolve_to_the_same_objects_in_any_import_order() -> No
 
 def test_a_study_fills_in_the_reply_and_state_metrics_from_a_runs_shards(tmp_path, monkeypatch) -> None:
     """Runs from before the first-turn and step-group metrics were logged get them from their Parquet shards
-    (sweeps/trials.py with_shard_metrics); a value tracking has wins; a run whose folder is not here keeps what
+    (sweeps/shards.py with_shard_metrics); a value tracking has wins; a run whose folder is not here keeps what
     tracking has."""
     from dataclasses import replace
 
     from ragen_core.store.parquet import write_shard
-    from ragen_core.sweeps.trials import local_run_dir, with_shard_metrics
+    from ragen_core.sweeps.shards import local_run_dir, with_shard_metrics
 
     run = tmp_path / "run"
     write_shard(run, 0, TRAJS)
