@@ -48,6 +48,7 @@ from matmul import matmul_rate
 
 from ragen_core import session
 from ragen_core.config import load_experiment, load_sweep
+from ragen_core.rollout.generators import cpu_attention
 from ragen_core.tracking import NullLogger
 from ragen_core.trainer import update
 from ragen_core.trainer.engine import compute_precision
@@ -112,6 +113,7 @@ def main() -> None:
     overrides = [*case_overrides, f"trainer.iterations={args.iterations}", "trainer.checkpoint_every=0",
                  *args.overrides]
     print(f"case {args.case}: {experiment} " + " ".join(f"--set {o}" for o in overrides), flush=True)
+    cpu_attention.kernel_available()  # the decode kernel is compiled once per environment: before anything is timed
     rates = {"fp32": matmul_rate(torch.float32) / 1e9, "bf16": matmul_rate(torch.bfloat16) / 1e9}  # GFLOP/s
     cfg = load_experiment(experiment, overrides)
     seconds: dict[str, float] = defaultdict(float)
