@@ -12,7 +12,8 @@ its grid point, value, curve and other attributes, and its run's tags, params an
 the study. When the study starts, each trial in the file whose grid point has no finished trial here yet is
 added to the Optuna study as finished, and its run is made again in MLflow under the study's parent run, tagged
 ``carried_from`` with its first id. The report, ``ragen compare --parent`` and the grid sampler then treat it
-like a trial that ran here.
+like a trial that ran here. Its line stays as it was when the file is rewritten (its first trial number, times
+and run id), so moving a study does not change the lines of the trials it carried.
 
 What does not travel: run folders (checkpoints, trajectory shards, curves.png) and artifacts. The metrics a
 report reads from a run's shards where its tracking lacks them (:mod:`ragen_core.sweeps.shards`) are filled into
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,21 +63,29 @@ def _point(params: Mapping[str, Any]) -> str:
     return json.dumps(dict(params), sort_keys=True)
 
 
-def trial_lines(study: optuna.Study, uri: str | None, known: Mapping[str, Mapping[str, Any]] | None = None
+def trial_lines(study: optuna.Study, uri: str | None, known: Sequence[Mapping[str, Any]] = ()
                 ) -> list[dict[str, Any]]:
     """One record per finished trial of ``study`` (COMPLETE or PRUNED, not a skipped duplicate), sorted by grid
-    point. ``known``: records already written, by MLflow run id; their run is taken from there, not read again."""
+    point. ``known``: the records already in the file. A trial carried in from one of them is written as that
+    record, unchanged (its first number, times and run id, not those it was given here); a trial whose run is in
+    one of them takes the run from there, not read again."""
     from optuna.distributions import distribution_to_json  # lazily: see study.py's note
 
-    known = known or {}
-    out = []
+    by_run = {r["run"]["run_id"]: r for r in known if r.get("run")}
+    by_trial = {(_point(r["params"]), r["number"]): r for r in known}
+    out: list[dict[str, Any]] = []
     for t in study.get_trials(deepcopy=False):
         if t.state.name not in _FINISHED or t.user_attrs.get("skipped"):
             continue
+        carried = t.user_attrs.get("carried_from") or {}
+        original = by_trial.get((_point(t.params), carried.get("trial")))
+        if original is not None:
+            out.append(dict(original))
+            continue
         run_id = t.user_attrs.get("mlflow_run_id")
         run = None
-        if run_id and run_id in known:
-            run = known[run_id]["run"]
+        if run_id and run_id in by_run:
+            run = by_run[run_id]["run"]
         elif run_id and uri:
             run = _with_shard_metrics(export_run(uri, run_id), t.user_attrs.get("run_dir"))
         out.append({
@@ -140,8 +149,7 @@ def carry_out(plan: SweepPlan, study: optuna.Study, say: Callable[[str], None] =
     try:
         plan.out_dir.mkdir(parents=True, exist_ok=True)
         with FileLock(plan.out_dir / "carry.lock"):
-            known = {r["run"]["run_id"]: r for r in read_carry(path, plan.sweep.name) if r.get("run")}
-            lines = trial_lines(study, _uri(plan), known)
+            lines = trial_lines(study, _uri(plan), read_carry(path, plan.sweep.name))
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
             os.replace(tmp, path)

@@ -88,10 +88,13 @@ def test_the_second_machine_runs_only_the_rest_and_reports_both(two_machines) ->
     assert "carried: 2 runs by preset" in summary
     groups = (second / "sweeps" / "carried" / "study" / "groups.csv").read_text().splitlines()
     assert groups[1].startswith("starpo-s,2,")
-    # the file now holds both trials, the carried one with the run it has on this machine
-    lines = [json.loads(line) for line in (repo / "carry" / "carried.jsonl").read_text().splitlines()]
+    # the file now holds both trials: the carried one's line as it came (its first number, times and run id), the
+    # new one with the run it has on this machine
+    text = (repo / "carry" / "carried.jsonl").read_text()
+    assert after_first.strip() in text.splitlines()
+    lines = [json.loads(line) for line in text.splitlines()]
     assert sorted(r["params"]["trainer.seed"] for r in lines) == [0, 1]
-    assert {r["run"]["run_id"] for r in lines} == set(by_id)
+    assert {r["run"]["run_id"] for r in lines} == {record["run"]["run_id"], ran.user_attrs["mlflow_run_id"]}
 
 
 def test_carrying_in_again_adds_nothing(two_machines, monkeypatch) -> None:
