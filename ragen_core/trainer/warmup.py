@@ -45,7 +45,7 @@ dialogues (:func:`self_distill_dialogues`, :func:`synthetic_dialogues`) and the 
 (:func:`format_stats`, :func:`measure_format`, :func:`reply_stats`, ...).
 
 Run its tests: ``.venv/bin/python -m pytest tests/unit/trainer/test_warmup.py -q``; the effect on the
-default model: ``.venv/bin/python bench/warmup.py`` (or ``-m slow tests/integration/test_warmup_default_model.py``).
+default model: ``.venv/bin/python bench/warmup.py`` (or ``-m slow tests/integration/test_warmup_*default_model.py``).
 """
 
 from __future__ import annotations

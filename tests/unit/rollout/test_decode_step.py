@@ -252,9 +252,17 @@ def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
     # that falls near a boundary between two tokens may go either way
     same = [(f, s) for f, s in zip(fast, slow, strict=True) if f.token_ids[0] == s.token_ids[0]]
     assert len(same) >= len(prompts) - 1
-    for f, s in same:
-        assert abs(f.logprobs[0] - s.logprobs[0]) < 0.05
-    assert sum(f.token_ids == s.token_ids for f, s in zip(fast, slow, strict=True)) >= len(prompts) - 2
+    # later tokens: the same holds at every step up to the first token where the two paths' draws part (each
+    # step is another such draw, so where they part is luck: 8 to 12 of 12 replies stayed equal over 16 tokens,
+    # seeds 3-7 on an AVX2-only CPU); until then each step's log-prob agrees within bf16 rounding (at most 0.005
+    # measured), and most of the tokens come before a parting (at least 0.78 of them measured)
+    common = 0
+    for f, s in zip(fast, slow, strict=True):
+        pairs = enumerate(zip(f.token_ids, s.token_ids, strict=False))  # a reply may stop earlier than its twin
+        part = next((i for i, (a, b) in pairs if a != b), min(len(f.token_ids), len(s.token_ids)))
+        common += part
+        assert all(abs(a - b) < 0.05 for a, b in zip(f.logprobs[:part], s.logprobs[:part], strict=True))
+    assert common >= 0.5 * sum(len(f.token_ids) for f in fast)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["onednn", "f-linear"])

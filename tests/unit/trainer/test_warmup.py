@@ -4,7 +4,8 @@
 Both kinds of dialogue (self-distilled from the model's own samples, and the random-policy ones) are
 checked against the rollout loop replaying the same reply ids, and their rewards and next states
 against a fresh env stepped by hand; the self-distilled thoughts against the ids the model sampled.
-The effect on the real default model is tests/integration/test_warmup_default_model.py (slow).
+The effect on the real default model is tests/integration/test_warmup_default_model.py and
+test_warmup_sokoban_default_model.py (slow).
 
 Run: .venv/bin/python -m pytest tests/unit/trainer/test_warmup.py -q
 """
