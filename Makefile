@@ -43,10 +43,11 @@ demo: install
 # Lint and type-check first: a finding fails the run before the (long) suite starts. Every test runs, the
 # slow and integration ones included (no network needed once installed); CI (.ci/run) runs exactly this.
 # Two worker processes (pytest-xdist), each test module on one of them (--dist loadscope: a module's fixtures are
-# built once): much of the suite waits on servers and subprocesses or runs one thread (tests/unit: 546 s against
-# 921 s in one process on 2 cores, measured). --durations: the 25 slowest tests at the end, to keep the whole suite within
-# CI's 45-minute budget.
-PYTEST_WORKERS := -n 2 --dist loadscope
+# built once), handed out in the order tests/conftest.py sorts them, the longest first (--no-loadscope-reorder:
+# else xdist orders modules by their number of tests, and the one-test warm-ups came last). Much of the suite waits
+# on servers and subprocesses or runs one thread: tests/unit took 546 s against 921 s in one process on 2 cores.
+# --durations: the 25 slowest tests at the end, to keep the whole suite within CI's 45-minute budget.
+PYTEST_WORKERS := -n 2 --dist loadscope --no-loadscope-reorder
 test: lint typecheck $(MODEL)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_WORKERS) --durations=25
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
+import sys
+from collections.abc import Sequence
 from types import ModuleType
 
 import pytest
@@ -31,6 +32,27 @@ def pytest_configure(config: pytest.Config) -> None:
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest modules first, so that the xdist workers start them at once instead of finishing on them: a
+    module whose tests declare a timeout above the suite's (``pytest.mark.timeout``; ``timeout`` in pyproject.toml)
+    before one with a shorter, then those with a slow test, then the rest; the order within a module, and
+    otherwise the collection's, is kept."""
+    default = float(config.getini("timeout") or 0)
+
+    def timeout(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("timeout")
+        declared = float(mark.args[0]) if mark is not None and mark.args else 0.0
+        return declared if declared > default else 0.0
+
+    modules: dict[str, tuple[float, int]] = {}
+    for item in items:
+        name = item.nodeid.split("::")[0]
+        longest, slow = modules.get(name, (0.0, 1))
+        modules[name] = (max(longest, timeout(item)), min(slow, 0 if item.get_closest_marker("slow") else 1))
+    order = {name: (-longest, slow, i) for i, (name, (longest, slow)) in enumerate(modules.items())}
+    items.sort(key=lambda item: order[item.nodeid.split("::")[0]])
 
 
 def in_ci() -> bool:
@@ -58,9 +80,17 @@ def require_module(name: str, reason: str) -> ModuleType:
         raise  # unreachable: require skipped or failed
 
 
-def default_signals() -> None:
-    """A ``preexec_fn`` for a child a test signals: SIGINT and SIGHUP back to their default action. A child
-    inherits ignored signals, and pytest started in the background (``cmd &`` ignores SIGINT, ``nohup``
-    SIGHUP) would hand that on: the child would not see the signal the test sends (a run went on to its end)."""
-    for sig in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
+_DEFAULT_SIGNALS = ("import os, signal, sys\n"
+                    "for sig in (signal.SIGINT, signal.SIGHUP):\n"
+                    "    signal.signal(sig, signal.SIG_DFL)\n"
+                    "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def with_default_signals(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` for a child a test signals, started with SIGINT and SIGHUP at their default action: a small Python
+    resets them, then execs ``cmd`` in its place (same process id). A child inherits ignored signals, and pytest
+    started in the background (``cmd &`` ignores SIGINT, ``nohup`` SIGHUP) would hand that on: the child would not
+    see the signal the test sends (a run went on to its end). Not a ``preexec_fn``: with one, Python forks the
+    whole test process, and a worker holding large mappings then cannot (``ENOMEM`` under xdist, seen); without
+    one it spawns by vfork."""
+    return [sys.executable, "-c", _DEFAULT_SIGNALS, *cmd]

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import default_signals, require, require_module
+from tests.conftest import require, require_module, with_default_signals
 
 BIN = Path(sys.executable).parent  # the venv's console scripts (prefect, mlflow, ragen)
 REPO = Path(__file__).resolve().parents[2]
@@ -197,8 +197,8 @@ class Background:
     def start(self, name: str, cmd: Sequence[str], env: Mapping[str, str], cwd: Path) -> subprocess.Popen[bytes]:
         """Start ``cmd``; its output goes to ``<log_dir>/<name>.log``."""
         with open(self.log_dir / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd,
-                                    start_new_session=True, preexec_fn=default_signals)  # stop() sends SIGINT
+            proc = subprocess.Popen(with_default_signals(cmd), stdout=out, stderr=subprocess.STDOUT, env=dict(env),
+                                    cwd=cwd, start_new_session=True)  # stop() sends SIGINT
         self.procs.append(proc)
         return proc
 

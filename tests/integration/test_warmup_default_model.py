@@ -44,6 +44,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a warm-up on the d
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 SAMPLES = 64
+# The base model closed its reply in 0 of 64 demo episodes (measured); 32 decide "at most 0.2": at a true rate of
+# 0.05 they reach 7 valid with probability about 0.001. Each of them decodes all 48 tokens (it never closes).
+BASE_SAMPLES = 32
 
 
 def test_warmup_teaches_the_format_not_the_task() -> None:
@@ -51,7 +54,7 @@ def test_warmup_teaches_the_format_not_the_task() -> None:
     assert (cfg.model.name, cfg.model.warmup, cfg.env.name, cfg.rollout.think, cfg.rollout.max_turns) == \
            (DEFAULT_MODEL, "self_distill", "Bandit", True, 1)
     tok = load_tokenizer(cfg.model.name)
-    before = warmup.measure_format(load_model(cfg.model.name), tok, cfg, SAMPLES)
+    before = warmup.measure_format(load_model(cfg.model.name), tok, cfg, BASE_SAMPLES)
     path = warmup.warmup_model(cfg, progress=print)
     assert check_model_dir(path) is None
     after = warmup.measure_format(load_model(str(path)), load_tokenizer(str(path)), cfg, SAMPLES)
