@@ -45,7 +45,8 @@ demo: install
 # Two worker processes (pytest-xdist), each test module on one of them (--dist loadscope: a module's fixtures are
 # built once), handed out in the order tests/conftest.py sorts them, the longest first (--no-loadscope-reorder:
 # else xdist orders modules by their number of tests, and the one-test warm-ups came last). Much of the suite waits
-# on servers and subprocesses or runs one thread: tests/unit took 546 s against 921 s in one process on 2 cores.
+# on servers and subprocesses or runs one thread: tests/unit took 546 s against 921 s in one process on 2 cores
+# (that one-process run shared the machine with another job for its first 3 minutes).
 # --durations: the 25 slowest tests at the end, to keep the whole suite within CI's 45-minute budget.
 PYTEST_WORKERS := -n 2 --dist loadscope --no-loadscope-reorder
 test: lint typecheck $(MODEL)
