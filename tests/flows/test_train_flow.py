@@ -277,8 +277,14 @@ def test_the_prefect_ui_shows_progress_logs_artifacts_and_readable_task_names(sm
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
-                                                TaskRunFilter, TaskRunFilterFlowRunId)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        LogFilter,
+        LogFilterFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
 
     data, result = smoke_run
     run = MlflowClient(_uri(data)).get_run(result.mlflow_run_id)
