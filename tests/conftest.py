@@ -11,10 +11,11 @@ into a quiet skip. GPU-only tests are not covered by this rule: CI has no GPU, a
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 import pytest
@@ -94,3 +95,30 @@ def with_default_signals(cmd: Sequence[str]) -> list[str]:
     whole test process, and a worker holding large mappings then cannot (``ENOMEM`` under xdist, seen); without
     one it spawns by vfork."""
     return [sys.executable, "-c", _DEFAULT_SIGNALS, *cmd]
+
+
+def drain_prefect_workers() -> None:
+    """Stop this process's Prefect events and log workers after sending what they hold. Prefect keeps one events
+    worker per process and binds it to the API URL current when it starts (for a self-hosted server the worker
+    is not keyed by URL): a flow run in this process after the URL changed would send its events, and so its
+    task runs, to the old server. The next event or log starts a worker on the URL current then."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    # each call stops and forgets the workers at once; the timeout bounds only the wait for their last items
+    APILogWorker.drain_all(timeout=30)
+    EventsWorker.drain_all(timeout=30)
+
+
+@contextlib.contextmanager
+def prefect_api(url: str) -> Iterator[None]:
+    """Flows run in this process inside the block report to the Prefect server at ``url``, their events too
+    (:func:`drain_prefect_workers` on the way in and out)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    drain_prefect_workers()
+    try:
+        with temporary_settings({PREFECT_API_URL: url}):
+            yield
+    finally:
+        drain_prefect_workers()

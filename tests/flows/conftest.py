@@ -7,11 +7,16 @@ import os
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
+from tests.conftest import drain_prefect_workers
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(autouse=True, scope="session")
 def prefect_harness():
+    # an xdist worker may have run flows on another server before (tests/integration): their events worker
+    # would keep sending to it
+    drain_prefect_workers()
     with prefect_test_harness(server_startup_timeout=120):
         yield
 

@@ -46,18 +46,6 @@ def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> se
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_prefect_server():
-    """A Prefect test server of this module's own, inside the session's. On the server that a worker's earlier
-    flow modules had used (two-rank runs, killed sweeps), smoke-a's flow run twice had its artifacts and logs but
-    none of its task runs, which Prefect records from the client's events (CI, two xdist workers; cause not
-    found; never seen on a fresh server)."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     data = tmp_path_factory.mktemp("data")

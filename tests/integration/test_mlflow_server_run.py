@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
+from tests.conftest import prefect_api
+
 if TYPE_CHECKING:  # fixtures of tests/integration/conftest.py
     from tests.integration.conftest import MlflowServer, PrefectServer
 
@@ -49,10 +51,9 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def on_prefect_server(prefect_server: PrefectServer) -> Iterator[None]:
-    """Flows called in this process report to the session's real Prefect server."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+    """Flows called in this process report to the session's real Prefect server, their events too; the flows
+    after this module (tests/flows, on the same xdist worker) report to theirs again."""
+    with prefect_api(prefect_server.api_url):
         yield
 
 
