@@ -188,7 +188,7 @@ def test_pack_pays_golden() -> None:
 def test_shared_prefix_forward_equals_plain_forward_values_and_grads(
     lora: bool, pack: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Packed: the group [1, 3, 5] (tails 3, 5, 1) runs its own tokens as one 9-token row; the group of
+    # Packed: the group [1, 3, 5] (tails 3, 5, 1) runs as one row, its prefix then its 9 own tokens; the group of
     # two equal tails stays padded. Not packed: every group's tails run padded on a repeated prefix.
     if not pack:
         monkeypatch.setattr(forward, "pack_pays", lambda tails, prefix: False)
@@ -218,7 +218,7 @@ def test_shared_prefix_forward_equals_plain_forward_values_and_grads(
         return (hidden * attn[..., None]).detach(), grads
 
     h_shared, g_shared = run(True)
-    assert ((1, 9) in shapes) == pack  # the packed row: 3 + 5 + 1 own tokens
+    assert ((1, 20 + 9) in shapes) == pack  # the packed row: the 20-token prefix, then 3 + 5 + 1 own tokens
     h_plain, g_plain = run(False)
     torch.testing.assert_close(h_shared, h_plain, atol=1e-5, rtol=1e-5)
     assert g_shared.keys() == g_plain.keys() and g_plain
