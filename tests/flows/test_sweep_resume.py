@@ -54,7 +54,8 @@ def test_a_sweep_interrupted_mid_run_continues_its_runs(data_dir, tmp_path) -> N
     # both trials ended FAIL, marked interrupted (not left RUNNING until their heartbeat goes stale, which would
     # count against retries)
     first = optuna.load_study(study_name="resumed", storage=f"sqlite:///{data_dir}/optuna.db").trials
-    assert [(t.state.name, t.user_attrs.get("interrupted")) for t in first] == [("FAIL", "TerminationSignal")] * 2
+    assert [(t.state.name, t.user_attrs.get("interrupted")) for t in first] == [("FAIL", "TerminationSignal")] * 2, \
+        log.read_text()[-6000:]  # the workers' own lines: how each one ended its trial
     runs = sorted((data_dir / "runs").iterdir())
     assert len(runs) == 2
     before = {run.name: (run / "history.jsonl").read_text().splitlines() for run in runs}
