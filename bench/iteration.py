@@ -26,9 +26,9 @@ same update takes uncounted times the matmul rate of the run's precision measure
 rates measured before the iterations and right after that update, so that one unlucky measurement on a shared
 machine does not flatter the fraction. The bf16 rate is measured only for a run that computes in bf16 (on a CPU
 with no bf16 hardware one 2048-cubed product takes about a minute). That update runs as the loop's do on an
-iteration that logs no KL. On a CPU the count is the matrix products' alone (weights,
-adapters, output layer): FlopCounterMode has no formula for torch's CPU flash-attention kernels, forward or
-backward, so attention's FLOPs (about 5% more for a Bandit group's useful query-key pairs) are left out.
+iteration that logs no KL. On a CPU the count is the matrix products' alone (weights, adapters, output layer):
+FlopCounterMode has no formula for torch's CPU flash-attention kernels, forward or backward, so attention's FLOPs
+(about 5% more for a Bandit group's useful query-key pairs) are left out.
 
 To compare with an older checkout (side by side on one machine), run that checkout's bench with the same
 ``--set`` overrides the case prints (``overrides``), e.g. from a git worktree: PYTHONPATH=<worktree>.

@@ -31,8 +31,8 @@ line on stderr that says what it builds and how it ended, for the vector instruc
 (AVX512 or AVX2: torch's own flags for them, not ``-march=native``, so that a build directory shared by several
 machines never hands one a kernel with instructions it lacks). It includes only the ATen headers it uses, not
 ``torch/extension.h`` (which ``load_inline`` puts first): on 2 AVX512 cores that took a build from 47-54 s to 25 s
-(parsing the headers from 28 to 8 s; the rest is the -O3 code generation). The build lives inside the Python environment
-that made it (:func:`build_root`), so two virtual environments never rebuild each other's kernel.
+(parsing the headers from 28 to 8 s; the rest is the -O3 code generation). The build lives inside the Python
+environment that made it (:func:`build_root`), so two virtual environments never rebuild each other's kernel.
 
 A build can never leave a later run waiting: torch guards each build directory with a lock file that has no
 owner and waits for it forever, so a process killed while holding it (Ctrl-C during a first rollout, a lost
