@@ -22,10 +22,13 @@ Run the tests with ``python -m pytest tests/unit/trainer -q``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -35,6 +38,9 @@ from ragen_core.models.causal_lm import causal_lm, unwrap_lora
 __all__ = [
     "MIN_SHARED_PREFIX",
     "ONE_PIECE_LOGITS_BYTES",
+    "SPLIT_ATTENTION",
+    "SPLIT_CALL_PAIRS",
+    "PackedRows",
     "PolicyOutput",
     "backbone_tokens",
     "can_pack",
@@ -49,6 +55,8 @@ __all__ = [
     "policy_forward",
     "shared_prefix_groups",
     "shift_values",
+    "split_attention",
+    "split_pays",
     "vocab_size",
 ]
 
@@ -214,14 +222,20 @@ def pack_pays(tails: list[int], prefix: int) -> bool:
 
     tails: each row's own-token count; prefix: the shared prefix length. Padded, the rows run
     n × max(tails) tokens, each attending to prefix + max(tails) keys. Packed, they run sum(tails)
-    tokens in one row with a block-diagonal causal mask: no padding, but every token pays attention
-    over the whole packed row (the mask does not skip the other rows' blocks). Costs are in token
-    linear-layer units (:data:`ATTENTION_PAIR_COST`): short, uneven replies (a single-turn group)
-    pack; long multi-turn rows, where the packed row's attention would grow quadratically, do not.
+    tokens in one row: no padding, and attention either over the whole packed row (one call on the block
+    mask, where the mask skips nothing) or, where :func:`split_pays`, each row's tokens over the prefix and
+    their own row, plus :data:`SPLIT_CALL_PAIRS` a row. Costs are in token linear-layer units
+    (:data:`ATTENTION_PAIR_COST`); packing must come out under 0.9 times padding. Short, uneven replies (a
+    single-turn group) pack; long multi-turn rows pack when they are uneven enough for the padding saved
+    to outweigh the extra calls, and rows of nearly one length stay padded.
     """
     n, longest, total = len(tails), max(tails), sum(tails)
     padded = n * longest * (1 + (prefix + longest) * ATTENTION_PAIR_COST)
-    packed = total * (1 + (prefix + total) * ATTENTION_PAIR_COST)
+    if split_pays(tails, prefix):
+        pairs = sum(t * (prefix + t) for t in tails) + n * SPLIT_CALL_PAIRS
+    else:
+        pairs = total * (prefix + total)
+    packed = total + pairs * ATTENTION_PAIR_COST
     return n > 1 and packed < 0.9 * padded
 
 
@@ -283,6 +297,103 @@ def packed_tail(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, pref
     return out.new_zeros(n, width, out.shape[-1]).masked_scatter(real[..., None], out[0])  # [n, W, H]
 
 
+SPLIT_ATTENTION = "ragen_packed_sdpa"
+"""The attention implementation an sdpa decoder runs :func:`packed_group`'s row with (registered in transformers'
+``AttentionInterface`` on first use, switched to for that one call): :func:`split_attention`."""
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A packed row's parts, for :func:`split_attention`: the shared prefix's length, each row's own-token count
+    (the rows follow the prefix in this order) and each row's mask [length, prefix + length] (True: may attend)
+    over the prefix and its own tokens."""
+
+    prefix: int
+    lengths: tuple[int, ...]
+    masks: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, tails: Sequence[int], prefix: int, device: torch.device) -> PackedRows:
+        masks = []
+        for length in tails:
+            own = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+            masks.append(torch.cat([own.new_ones(length, prefix), own], dim=1))
+        return cls(prefix, tuple(int(t) for t in tails), tuple(masks))
+
+
+def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    packed_rows: PackedRows | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: a packed row's attention in parts, each on the pairs it needs.
+
+    query [1, heads, P + S, d], key and value [1, kv heads, P + S, d] of a row laid out as :func:`packed_group`
+    lays it out (``packed_rows``). The prefix attends causally to itself (one causal call, which skips the
+    blocks above the diagonal); each row's own tokens attend to the prefix and causally to each other (one
+    masked call a row, over P + its length keys). One call over the whole block mask computes every
+    (P + S)² pair, most of them masked out: for 4 FrozenLake rows of 46-505 tokens on a 196-token prompt 2.5
+    times the pairs needed (for short replies the extra calls cost more than the pairs saved: :func:`split_pays`
+    decides). The softmax of each query is over the same
+    keys, so the result is the block-mask call's up to float rounding, forward and backward. Returns
+    [1, P + S, heads, d], as transformers' sdpa function does. Without ``packed_rows`` it is that function.
+    """
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if packed_rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # cast once here, not the prefix's keys again in every row's call
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    # split, not sliced: the backward of a slice writes its gradient into a zeroed full-size tensor, the
+    # backward of one split concatenates the parts' gradients
+    sizes = [packed_rows.prefix, *packed_rows.lengths]
+    queries, keys, values = query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2)
+    parts = [F.scaled_dot_product_attention(queries[0], keys[0], values[0], dropout_p=dropout, is_causal=True,
+                                            scale=scaling)]
+    for i, mask in enumerate(packed_rows.masks, start=1):  # [1, heads, length, d] over P + length keys
+        parts.append(F.scaled_dot_product_attention(queries[i], torch.cat([keys[0], keys[i]], dim=2),
+                                                    torch.cat([values[0], values[i]], dim=2), attn_mask=mask,
+                                                    dropout_p=dropout, scale=scaling))
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+SPLIT_CALL_PAIRS = 15_000
+"""The cost of one more attention call (forward and backward, with its key copies) in (query, key) pairs.
+Measured on a 2-core AVX512 CPU for SmolLM2-135M's 9 heads of 64, in fp32 (bf16 and bf16 autocast alike): a
+Bandit group (8 replies of 15-48 tokens on a 187-token prompt) took 15.7 ms a layer in one block-mask call over
+its 163k pairs and 16.5 ms split into 9 calls over 62k; a FrozenLake group (4 rows of 46-505 tokens on 196) 173
+ms over 1.93M pairs against 73 ms split over 762k. Both fit about 0.09 µs a pair and 1.3 ms (14k pairs) a call."""
+
+
+def split_pays(tails: Sequence[int], prefix: int) -> bool:
+    """Whether :func:`split_attention` beats one call on the block mask for a packed row of ``prefix`` then rows
+    of ``tails`` own tokens: the pairs it computes (the prefix's causal half, each row's tokens over the prefix and
+    its own tokens), plus :data:`SPLIT_CALL_PAIRS` for each row's call, under 0.9 times the block mask's
+    (prefix + S)². Long rows split (a few multi-turn rows), short replies on a long prompt (Bandit) do not."""
+    total = prefix + sum(tails)
+    split = prefix * prefix // 2 + sum(t * (prefix + t) for t in tails) + len(tails) * SPLIT_CALL_PAIRS
+    return split < 0.9 * total * total
+
+
+@contextlib.contextmanager
+def _attention_implementation(config: object, name: str) -> Iterator[None]:
+    """``config._attn_implementation`` set to ``name`` inside the block (registered with transformers first)."""
+    from transformers import AttentionInterface
+
+    if name not in AttentionInterface().valid_keys():
+        AttentionInterface.register(name, split_attention)
+    before = cast(Any, config)._attn_implementation
+    cast(Any, config)._attn_implementation = name
+    try:
+        yield
+    finally:
+        cast(Any, config)._attn_implementation = before
+
+
 def packed_group(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, prefix: int) -> torch.Tensor:
     """Hidden states of a prompt group run as ONE row: its shared prefix, then its rows' own tokens packed.
 
@@ -292,8 +403,9 @@ def packed_group(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, pre
     without the padding and with the prefix run once, as :func:`packed_tail` on a prefix cache, but in one
     decoder call of prefix + S tokens instead of two of prefix and S. The weight matmuls then run twice the
     rows at once, which a CPU runs at a higher FLOP rate (at SmolLM2's sizes about 90 against 115 GFLOP/s
-    on 2 AVX2 cores, 190 rows against 380). The prefix's queries pay attention over the masked tail keys
-    (prefix × S pairs), which :func:`pack_pays` leaves out of its count: a few percent of a group's cost.
+    on 2 AVX2 cores, 190 rows against 380). One attention call on the block mask computes all (prefix + S)²
+    pairs; where that is most of the work (long rows: :func:`split_pays`), an sdpa decoder computes it in parts
+    instead (:func:`split_attention`: the prefix causally, each row on the prefix and itself).
     Returns [n, T, H], zeros at padded positions.
     """
     n, width = ids.shape[0], ids.shape[1] - prefix
@@ -304,8 +416,13 @@ def packed_group(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, pre
                       torch.cat([own.new_ones(s, prefix), own], dim=1)], dim=0)  # [prefix + S, prefix + S]
     seq = torch.cat([ids[0, :prefix], packed])[None]  # [1, prefix + S]
     at = torch.cat([torch.arange(prefix, device=ids.device), positions])[None]  # [1, prefix + S]
-    out = decoder(input_ids=seq, attention_mask=mask[None, None], position_ids=at,
-                  use_cache=False).last_hidden_state[0]  # [prefix + S, H]
+    config = decoder.config
+    lengths = [int(t) for t in tails.tolist()]
+    split = getattr(config, "_attn_implementation", None) == "sdpa" and split_pays(lengths, prefix)
+    extra = {"packed_rows": PackedRows.of(lengths, prefix, ids.device)} if split else {}
+    with _attention_implementation(config, SPLIT_ATTENTION) if split else contextlib.nullcontext():
+        out = decoder(input_ids=seq, attention_mask=mask[None, None], position_ids=at, use_cache=False,
+                      **extra).last_hidden_state[0]  # [prefix + S, H]
     shared = out[:prefix].expand(n, -1, -1)  # [n, prefix, H]
     tail = out.new_zeros(n, width, out.shape[-1]).masked_scatter(real[..., None], out[prefix:])  # [n, W, H]
     return torch.cat([shared, tail], dim=1)

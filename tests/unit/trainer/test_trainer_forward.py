@@ -12,6 +12,7 @@ from ragen_core.models import tiny_random
 from ragen_core.trainer import forward
 from ragen_core.trainer.forward import (
     ONE_PIECE_LOGITS_BYTES,
+    PackedRows,
     backbone_tokens,
     chunked_logprobs,
     decoder_and_head,
@@ -21,6 +22,8 @@ from ragen_core.trainer.forward import (
     policy_forward,
     shared_prefix_groups,
     shift_values,
+    split_attention,
+    split_pays,
 )
 
 
@@ -179,19 +182,25 @@ def test_pack_pays_golden() -> None:
     # padded 8 x 48 x (1 + 238/3000) = 414.5, packed 208 x (1 + 398/3000) = 235.6: pack.
     assert pack_pays([48, 10, 20, 30, 25, 25, 30, 20], 190)
     # Multi-turn rows of 500..700 tokens on a 300-token prefix (sum 4900): padded 8 x 700 x (1 + 1000/3000)
-    # = 7466.7, packed 4900 x (1 + 5200/3000) = 13393: the packed row's attention would cost more.
-    assert not pack_pays([700, 500, 600, 600, 600, 600, 600, 700], 300)
+    # = 7466.7; packed on the block mask 4900 x (1 + 5200/3000) = 13393, but its attention splits
+    # (split_pays): 4900 + (sum t(300 + t) = 4,500,000 + 8 x 15,000) / 3000 = 6440 < 0.9 x 7466.7: pack.
+    assert pack_pays([700, 500, 600, 600, 600, 600, 600, 700], 300)
+    # Rows of nearly one length, 400..500 on 300 (sum 3650): padded 8 x 500 x (1 + 800/3000) = 5066.7, packed
+    # and split 3650 + (2,769,500 + 120,000) / 3000 = 4613.2, over 0.9 x 5066.7 = 4560: padded.
+    assert not pack_pays([400, 500, 450, 500, 420, 480, 460, 440], 300)
 
 
-@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("pack,split", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("lora", [False, True])
 def test_shared_prefix_forward_equals_plain_forward_values_and_grads(
-    lora: bool, pack: bool, monkeypatch: pytest.MonkeyPatch
+    lora: bool, pack: bool, split: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Packed: the group [1, 3, 5] (tails 3, 5, 1) runs as one row, its prefix then its 9 own tokens; the group of
-    # two equal tails stays padded. Not packed: every group's tails run padded on a repeated prefix.
+    # Packed: the group [1, 3, 5] (tails 3, 5, 1) runs as one row, its prefix then its 9 own tokens (its attention
+    # in one block-mask call, or split into the prefix's and each row's: free extra calls make the split pay);
+    # the group of two equal tails stays padded. Not packed: every group's tails run padded on a repeated prefix.
     if not pack:
         monkeypatch.setattr(forward, "pack_pays", lambda tails, prefix: False)
+    monkeypatch.setattr(forward, "SPLIT_CALL_PAIRS", 0 if split else 10**9)
     shapes: list[tuple[int, ...]] = []
     model, _ = tiny_random(0)
     model.get_decoder().register_forward_pre_hook(
@@ -219,12 +228,100 @@ def test_shared_prefix_forward_equals_plain_forward_values_and_grads(
 
     h_shared, g_shared = run(True)
     assert ((1, 20 + 9) in shapes) == pack  # the packed row: the 20-token prefix, then 3 + 5 + 1 own tokens
+    assert forward.split_pays([3, 5, 1], 20) == split
     h_plain, g_plain = run(False)
     torch.testing.assert_close(h_shared, h_plain, atol=1e-5, rtol=1e-5)
     assert g_shared.keys() == g_plain.keys() and g_plain
     for name in g_plain:  # float rounding only: within 1e-5 of each gradient's own scale
         scale = float(g_plain[name].abs().max())
         assert float((g_shared[name] - g_plain[name]).abs().max()) <= 1e-5 * scale + 1e-7, name
+
+
+def test_packed_rows_golden() -> None:
+    # Tails 2 and 1 on a 2-token prefix: each row sees the whole prefix and its own earlier tokens.
+    rows = PackedRows.of([2, 1], 2, torch.device("cpu"))
+    assert rows.prefix == 2 and rows.lengths == (2, 1)
+    assert rows.masks[0].tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert rows.masks[1].tolist() == [[True, True, True]]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_split_attention_equals_one_call_on_the_block_mask(kv_heads: int) -> None:
+    # A packed row of a 5-token prefix and rows of 3, 1 and 4 own tokens; 3 query heads over 1 or 3 key/value
+    # heads. Against one SDPA call on the whole [12, 12] block mask: outputs and the gradients of q, k, v.
+    g = torch.Generator().manual_seed(0)
+    prefix, tails, heads, d = 5, [3, 1, 4], 3, 8
+    length = prefix + sum(tails)
+    q = torch.randn(1, heads, length, d, generator=g, requires_grad=True)
+    k = torch.randn(1, kv_heads, length, d, generator=g, requires_grad=True)
+    v = torch.randn(1, kv_heads, length, d, generator=g, requires_grad=True)
+    out_grad = torch.randn(1, length, heads, d, generator=g)
+    segment = torch.repeat_interleave(torch.arange(len(tails)), torch.tensor(tails))  # [S] each token's row
+    own = (segment[:, None] == segment[None, :]) & torch.ones(len(segment), len(segment), dtype=torch.bool).tril()
+    mask = torch.zeros(length, length, dtype=torch.bool)
+    mask[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril()
+    mask[prefix:, :prefix] = True
+    mask[prefix:, prefix:] = own
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads  # type: ignore[assignment]  # as transformers' attention has
+
+    def run(split: bool) -> tuple[torch.Tensor, ...]:
+        for t in (q, k, v):
+            t.grad = None
+        if split:
+            out, _ = split_attention(module, q, k, v, None, packed_rows=PackedRows.of(tails, prefix, q.device))
+        else:
+            rep = heads // kv_heads
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask).transpose(1, 2)
+        (out * out_grad).sum().backward()
+        return out.detach(), *(t.grad.clone() for t in (q, k, v))  # type: ignore[union-attr]
+
+    for split, whole in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_split_pays_golden() -> None:
+    # A Bandit group, replies 26, 20, 30, 48, 15, 26, 22, 30 on a 187-token prompt: split 187²/2 + Σ t(187 + t)
+    # = 17,484 + 47,144 + 8 × 15,000 = 184,628 pairs against 0.9 × 404² = 146,894: one call.
+    assert not split_pays([26, 20, 30, 48, 15, 26, 22, 30], 187)
+    # A FrozenLake group, rows 46, 505, 472, 172 on 196: 19,208 + 743,729 + 60,000 = 822,937 against
+    # 0.9 × 1391² = 1,741,393: split.
+    assert split_pays([46, 505, 472, 172], 196)
+    # One row on its prefix: 50 + 600 + 15,000 = 15,650 against 0.9 × 30² = 810: the causal call's 900 pairs are
+    # cheaper than another call.
+    assert not split_pays([20], 10)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_packed_group_runs_the_split_attention_and_restores_the_config(
+    split: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The group [1, 3, 5] of _grouped_batch (prefix 20, tails 3, 5, 1). Split: per layer one causal call on the
+    # prefix and one call a row on the prefix and its own tokens; else one call on the whole 29-token row.
+    monkeypatch.setattr(forward, "split_pays", lambda tails, prefix: split)
+    model, _ = tiny_random(0)
+    decoder, _ = decoder_and_head(model)
+    ids, attn = _grouped_batch(torch.Generator().manual_seed(0))
+    calls: list[tuple[int, int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query: torch.Tensor, key: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append((query.shape[2], key.shape[2], bool(kwargs.get("is_causal", False))))
+        return sdpa(query, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    rows = torch.tensor([1, 3, 5])
+    tails = attn[rows].sum(dim=1) - 20
+    forward.packed_group(decoder, ids[rows], tails, 20)
+    per_layer = [(20, 20, True), (3, 23, False), (5, 25, False), (1, 21, False)] if split else [(29, 29, False)]
+    assert calls == per_layer * decoder.config.num_hidden_layers
+    assert decoder.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="boom"):  # restored after a failing forward too
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        forward.packed_group(decoder, ids[rows], tails, 20)
+    assert decoder.config._attn_implementation == "sdpa"
 
 
 def test_shared_prefix_is_off_under_gradient_checkpointing() -> None:
