@@ -71,7 +71,7 @@ def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_
     said: list[str] = []
     machine(2, 20, [])
     assert sweep_module.study_workers(plan(), said.append) == 2 and sweep_module.worker_threads(plan(), 2) == 1
-    assert said == ["[sweep] 2 run(s) at a time: 20.0 GiB available, a run needs 4.0 GiB (the default); "
+    assert said == ["[sweep] 2 run(s) at a time: 20.0 GiB available, a run needs 6.0 GiB (the default); "
                     "--workers N to choose"]
     assert sweep_module.study_workers(plan("deployment")) == 1  # a pool's workers set the pace
     assert sweep_module.study_workers(plan(gib=11), said.append) == 1  # two would need 22 GiB
@@ -94,7 +94,7 @@ def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_
     assert sweep_module.study_workers(plan(name="measured"), said.append) == 2
     machine(8, 20, [])
     assert sweep_module.worker_threads(plan(), 2) == 4 and sweep_module.worker_threads(plan(), 1) is None
-    machine(2, 6, [])  # room for one run of 4 GiB
+    machine(2, 10, [])  # room for one run of 6 GiB, not two
     assert sweep_module.study_workers(plan(), said.append) == 1
     machine(1, 20, [])
     assert sweep_module.study_workers(plan()) == 1
