@@ -98,7 +98,7 @@ def study_workers(plan: SweepPlan, say: Callable[[str], None] = print) -> int:
     peak the study's runs measured, else :data:`STUDY_RUN_BYTES`), each worker on half the cores
     (:func:`worker_threads`; a round with one trial left gives its one worker all of them, :func:`spawner`); else
     one. Two runs of one thread each make more iterations than one run of two threads (vanilla StarPO on
-    studies/echo-trap-bandit.yaml on two cores: an iteration each every 21.6 s against one every 16.9 s, 1.56x the
+    studies/echo-trap-bandit.yaml on two cores: an iteration each every 37.6 s against one every 26.4 s, 1.40x the
     throughput): small matmuls and the decode loop's Python leave one process short of both cores."""
     import psutil  # lazily: only this decision needs it
 
