@@ -88,8 +88,9 @@ def sweep(sweep_file: str, workers: int = 1, overrides: list[str] | None = None)
 STUDY_RUN_BYTES = 6 * 2**30
 """Memory a CPU run of a study is given when sizing how many run at a time, where the study neither sets
 ``run_memory_gib`` nor has runs that measured their peak: a run of the default model (the Bandit study's vanilla,
-a 32-row PPO mini-batch in one forward/backward, experiments/demo.yaml) peaks near 5 GiB resident. Multi-turn runs
-take more (studies/echo-trap-frozenlake.yaml: 7.6 and 10.9 GiB), which those studies set."""
+a 32-row PPO mini-batch in one forward/backward, experiments/demo.yaml) peaked at 5.0-5.6 GiB resident (a
+benchmark's 5 iterations; a study's worker). Multi-turn runs take more (studies/echo-trap-frozenlake.yaml: 7.6 and
+10.9 GiB), which those studies set."""
 
 
 def study_workers(plan: SweepPlan, say: Callable[[str], None] = print) -> int:
