@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import prefect.deployments
@@ -35,7 +37,7 @@ from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 
 from flows._ui import publish_markdown
-from ragen_core import gpus
+from ragen_core import cpu_share, gpus
 from ragen_core.config import ConfigError
 from ragen_core.sweeps import SweepPlan, dashboard_command, open_study, plan_sweep, redact, storage_url
 from ragen_core.sweeps.carry import carry_in, carry_out
@@ -124,11 +126,30 @@ def worker_threads(plan: SweepPlan, workers: int) -> int | None:
 def spawner(plan: SweepPlan, overrides: list[str], parent_run_id: str, study: optuna.Study
             ) -> Callable[[int], list[int]]:
     """What starts a round's ``n`` worker processes, the cores shared out among those ``n``: a round with one
-    trial left (a study's last run, a resumed study's one unfinished run) starts one worker on all the cores."""
+    trial left (a study's last run, a resumed study's one unfinished run) starts one worker on all the cores. When
+    a worker of a round ends (nothing left for it to start, or it failed) while others still run trials, those
+    take up its cores from their next iteration (ragen_core/cpu_share.py); where the user set ``OMP_NUM_THREADS``, that
+    count stays."""
 
     def spawn(n: int) -> list[int]:
-        env = worker_env(threads=worker_threads(plan, n))
-        return steps.spawn_workers(worker_command(plan, overrides, parent_run_id), env, n, study)
+        threads = worker_threads(plan, n)
+        own = "OMP_NUM_THREADS" in os.environ  # the user's count, which worker_env keeps
+        env = worker_env(threads=threads)
+        cmd = worker_command(plan, overrides, parent_run_id)
+        if threads is None or own:
+            return steps.spawn_workers(cmd, env, n, study)
+        with tempfile.TemporaryDirectory(prefix="ragen-cpu-share-") as folder:
+            share = Path(folder) / "threads"
+            cpu_share.publish(share, threads)
+            env[cpu_share.SHARE_ENV] = str(share)
+
+            def on_alive(alive: int) -> None:
+                more = max(1, (os.cpu_count() or 1) // alive)
+                print(f"[sweep] a worker ended, {alive} still running: {more} threads each from their next "
+                      "iteration")
+                cpu_share.publish(share, more)
+
+            return steps.spawn_workers(cmd, env, n, study, on_alive)
 
     return spawn
 

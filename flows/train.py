@@ -31,7 +31,7 @@ from prefect.runtime import deployment, flow_run
 
 from flows import ranks
 from flows._ui import Reporter, RunArtifacts
-from ragen_core import distributed, gpus, session
+from ragen_core import cpu_share, distributed, gpus, session
 from ragen_core.config import ConfigError, ExperimentConfig, check_run_name, load_experiment
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.factory import open_logger, tracking_uri
@@ -135,9 +135,19 @@ def _train(cfg: ExperimentConfig, folder: RunDir, parent_run_id: str | None, tag
             sess = session.open_session(cfg, logger, folder, say=say, progress=ui.progress)
             run_url = getattr(logger, "run_url", None)
             artifacts.link(run_url() if callable(run_url) else None, tracking_uri(cfg), logger.run_id)
+
+            def after_iteration(s: session.Session, metrics: dict[str, float]) -> None:
+                artifacts.iteration(s.iteration, cfg.env.label, metrics)
+                # a study's worker takes up the cores its round's ended workers left (ragen_core/cpu_share.py); a run
+                # of several ranks, or with its own trainer.threads, keeps its count
+                if cfg.trainer.threads is None and distributed.world_size() == 1:
+                    if (threads := cpu_share.follow()) is not None:
+                        say(f"torch threads: {threads} from iteration {s.iteration + 1} on (a worker of the study "
+                            "ended)")
+
             hooks = session.Hooks(
                 after_eval=pruner,  # a pruned trial ends with this evaluation as its last
-                after_iteration=lambda s, metrics: artifacts.iteration(s.iteration, cfg.env.label, metrics),
+                after_iteration=after_iteration,
                 after_final_eval=final)
             session.run_to_end(sess, termination.guard(steps.STEPS), hooks)
         termination.check()

@@ -8,6 +8,7 @@ train flows, not tasks; the trials' life is ragen_core/sweeps/trials.py, what is
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 
 from optuna import Study
 from prefect import task
@@ -21,13 +22,14 @@ from ragen_core.tracking.run_history import RunHistory
 
 
 @task(name="workers", cache_policy=NO_CACHE)
-def spawn_workers(cmd: list[str], env: dict[str, str], n: int, study: Study) -> list[int]:
+def spawn_workers(cmd: list[str], env: dict[str, str], n: int, study: Study,
+                  on_alive: Callable[[int], None] | None = None) -> list[int]:
     """Start ``n`` worker processes (``cmd``) on the study's storage and wait for all (:func:`wait_workers`: a hung
-    one is killed); returns their exit codes. Stopped while waiting (SIGTERM, Ctrl-C), it stops them and waits for
-    them (:func:`stop_workers`)."""
+    one is killed, ``on_alive`` hears how many still run when some ended); returns their exit codes. Stopped while
+    waiting (SIGTERM, Ctrl-C), it stops them and waits for them (:func:`stop_workers`)."""
     procs = [subprocess.Popen(cmd, env=env) for _ in range(n)]
     try:
-        return wait_workers(procs, study)
+        return wait_workers(procs, study, on_alive=on_alive)
     except BaseException:
         stop_workers(procs)
         raise

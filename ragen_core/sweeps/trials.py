@@ -126,13 +126,20 @@ def run_memory(plan: SweepPlan, url: str, default_bytes: int) -> tuple[int, str]
 
 
 def wait_workers(procs: Sequence[subprocess.Popen[bytes]], study: optuna.Study, poll_s: float = 10.0,
-                 say: Callable[[str], None] = print) -> list[int]:
+                 say: Callable[[str], None] = print, on_alive: Callable[[int], None] | None = None) -> list[int]:
     """Wait for the worker processes; their exit codes. Meanwhile trials whose heartbeat stopped go FAIL (and get
     their retry), and a worker still alive after the trial it ran went FAIL that way is killed: a hung process (a
     deadlock, a stuck collective) stops beating with its trial but never exits, and the round would wait for it
-    forever. A trial that failed by raising has no retry, and its worker goes on to the next one."""
+    forever. A trial that failed by raising has no retry, and its worker goes on to the next one. ``on_alive``: called
+    with the number of workers still running each time some have ended and some are left (the study then shares
+    the cores among fewer: ragen_core/cpu_share.py)."""
     host, since = socket.gethostname(), datetime.datetime.now() - datetime.timedelta(seconds=5)
+    running = len(procs)
     while any(p.poll() is None for p in procs):
+        alive = sum(p.poll() is None for p in procs)
+        if on_alive is not None and 0 < alive < running:
+            on_alive(alive)
+        running = alive
         fail_stale(study)
         trials = study.get_trials(deepcopy=False)
         retried = {t.system_attrs["failed_trial"] for t in trials if "failed_trial" in t.system_attrs}

@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 from test_sweep_flow import FAST, write_sweep
 
 from flows.sweep import sweep
+from ragen_core import cpu_share
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,12 +111,31 @@ def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     machine(2, 20, [])
     started: list[tuple[int, str | None]] = []
-    monkeypatch.setattr(sweep_module.steps, "spawn_workers",
-                        lambda cmd, env, n, study: started.append((n, env.get("OMP_NUM_THREADS"))) or [0] * n)
+    shares: list[str | None] = []
+
+    def spawn_workers(cmd, env, n, study, on_alive=None):
+        # a round of two: each worker reads its thread count from the share file, and when one ended, the one left
+        # reads all the cores there (ragen_core/cpu_share.py); a round of one has nothing to share
+        started.append((n, env.get("OMP_NUM_THREADS")))
+        share = env.get(cpu_share.SHARE_ENV)
+        shares.append(share and Path(share).read_text())
+        if on_alive is not None:
+            on_alive(1)
+            shares.append(Path(share).read_text())
+        return [0] * n
+
+    monkeypatch.setattr(sweep_module.steps, "spawn_workers", spawn_workers)
     spawn = sweep_module.spawner(SimpleNamespace(sweep=SimpleNamespace(dispatch="local"), path="s.yaml"), [], "p",
                                  None)
     assert spawn(2) == [0, 0] and spawn(1) == [0]
     assert started == [(2, "1"), (1, None)]
+    assert shares == ["1\n", "2\n", None]
+    machine(8, 40, [])
+    shares.clear()
+    assert spawn(4) == [0] * 4 and shares == ["2\n", "8\n"]  # 8 cores: 2 each, the one left all 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's own count: kept, no share file
+    shares.clear()
+    assert spawn(2) == [0, 0] and shares == [None]
 
 
 def test_a_worker_alive_after_its_trial_stopped_beating_is_killed(tmp_path) -> None:
@@ -143,3 +163,18 @@ def test_a_worker_alive_after_its_trial_stopped_beating_is_killed(tmp_path) -> N
     assert wait_workers([hung, busy], study, poll_s=0.2, say=said.append) == [-9, 0]
     assert said == [f"[sweep] worker {hung.pid} is alive but trial 0 it ran stopped beating: killing it (its retry "
                     "continues the run from its last checkpoint)"]
+
+
+def test_the_workers_left_running_hear_how_many_they_are(tmp_path) -> None:
+    """When a round's worker ends and others still run (their last trials), wait_workers says how many are left, once
+    per change, so the study shares the cores out among them (flows/sweep.py spawner); never with none left."""
+    import subprocess
+    import sys
+
+    from ragen_core.sweeps.trials import wait_workers
+
+    study = optuna.create_study(study_name="tail", storage=f"sqlite:///{tmp_path}/optuna.db")
+    procs = [subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({s})"]) for s in (0.2, 1.5, 3)]
+    heard: list[int] = []
+    assert wait_workers(procs, study, poll_s=0.1, on_alive=heard.append) == [0, 0, 0]
+    assert heard == [2, 1]

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.train import train
-from ragen_core import session
+from ragen_core import cpu_share, session
 from ragen_core.config import load_experiment
 from ragen_core.store import read_run
 from ragen_core.tracking.model_registry import load_logged_model
@@ -251,6 +251,27 @@ def test_resumed_run_matches_an_unbroken_one(data_dir) -> None:
     b = load_file(Path(resumed.run_dir) / "checkpoints" / "iter=000002" / "actor.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_study_worker_takes_up_the_threads_its_study_publishes(data_dir, tmp_path, monkeypatch, caplog) -> None:
+    """A local study's worker (``RAGEN_CPU_SHARE`` set: ragen_core/cpu_share.py) sets torch's threads to the count
+    the study published once an iteration ends, and says so; a run with its own trainer.threads keeps them."""
+    before = torch.get_num_threads()
+    share = tmp_path / "threads"
+    cpu_share.publish(share, before + 1)
+    monkeypatch.setenv(cpu_share.SHARE_ENV, str(share))
+    try:
+        train(experiment=SMOKE, run_name="shared", overrides=["tracking.backend=none", "trainer.iterations=2"])
+        assert torch.get_num_threads() == before + 1
+        assert f"torch threads: {before + 1} from iteration 2 on (a worker of the study ended)" in caplog.text
+        caplog.clear()
+        torch.set_num_threads(before)
+        train(experiment=SMOKE, run_name="own", overrides=["tracking.backend=none", "trainer.iterations=1",
+                                                           f"trainer.threads={before}"])
+        assert torch.get_num_threads() == before
+        assert "torch threads:" not in caplog.text
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_zero3_run_resumes_and_matches_the_torch_backend(data_dir) -> None:
