@@ -10,7 +10,10 @@ still running); a worker reads it after each iteration (:func:`follow`) and sets
 
 torch's intra-op threads change between operations (``torch.set_num_threads``: OpenMP, MKL and oneDNN take the
 new count from their next parallel region), so a run changes nothing else. A run with its own
-``trainer.threads`` keeps it (flows/train.py). Outside such a study the variable is unset and nothing happens.
+``trainer.threads`` keeps it (flows/train.py). A process that started vLLM's CPU engine in-process keeps its
+count too: the engine binds its threads to cores and replaces ``torch.set_num_threads`` with a no-op for the
+whole process, which :func:`follow` notices (the count did not move) and then stops asking. Outside such a study
+the variable is unset and nothing happens.
 
     from ragen_core import cpu_share
     cpu_share.publish(path, 1)          # the study: one thread each
@@ -43,9 +46,14 @@ def publish(path: str | Path, threads: int) -> None:
     os.replace(tmp, path)
 
 
+_refused: set[int] = set()
+"""Counts this process could not take up (an in-process vLLM CPU engine holds torch's threads): not asked again."""
+
+
 def follow() -> int | None:
     """Set torch's CPU thread count to the one in ``$RAGEN_CPU_SHARE``'s file; the new count when it changed, else
-    None (the variable unset, the file gone or not a count, or the count already in force)."""
+    None (the variable unset, the file gone or not a count, the count already in force, or this process's count
+    held by a vLLM CPU engine)."""
     path = os.environ.get(SHARE_ENV)
     if not path:
         return None
@@ -55,7 +63,10 @@ def follow() -> int | None:
         return None
     import torch  # here: the study's own process, which only publishes, never loads torch
 
-    if threads < 1 or threads == torch.get_num_threads():
+    if threads < 1 or threads == torch.get_num_threads() or threads in _refused:
         return None
     torch.set_num_threads(threads)
+    if torch.get_num_threads() != threads:
+        _refused.add(threads)
+        return None
     return threads

@@ -256,6 +256,10 @@ def test_resumed_run_matches_an_unbroken_one(data_dir) -> None:
 def test_a_study_worker_takes_up_the_threads_its_study_publishes(data_dir, tmp_path, monkeypatch, caplog) -> None:
     """A local study's worker (``RAGEN_CPU_SHARE`` set: ragen_core/cpu_share.py) sets torch's threads to the count
     the study published once an iteration ends, and says so; a run with its own trainer.threads keeps them."""
+    # an earlier test in this process may have started vLLM's CPU engine in-process, which replaces
+    # torch.set_num_threads with a no-op for the process: the real one for this test
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
+    monkeypatch.setattr(cpu_share, "_refused", set())
     before = torch.get_num_threads()
     share = tmp_path / "threads"
     cpu_share.publish(share, before + 1)

@@ -16,13 +16,6 @@ from ragen_core import cpu_share
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def threads_kept():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def test_publish_writes_the_count_and_refuses_a_non_count(tmp_path) -> None:
     share = tmp_path / "threads"
     cpu_share.publish(share, 3)
@@ -35,20 +28,50 @@ def test_publish_writes_the_count_and_refuses_a_non_count(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["threads"]  # no temporary file left behind
 
 
-def test_follow_sets_the_published_count_once(tmp_path, monkeypatch, threads_kept) -> None:
+class Threads:
+    """torch's thread count as this test sets it: an earlier test in the same process may have started vLLM's CPU
+    engine in-process, which turns torch.set_num_threads into a no-op for the process (the real count is
+    test_a_worker_started_on_one_thread_takes_up_the_published_count's, in a fresh process)."""
+
+    def __init__(self, monkeypatch, count: int, settable: bool = True) -> None:
+        self.count, self.asked = count, []
+        monkeypatch.setattr(torch, "get_num_threads", lambda: self.count)
+        monkeypatch.setattr(torch, "set_num_threads", self.set if settable else self.asked.append)
+
+    def set(self, n: int) -> None:
+        self.asked.append(n)
+        self.count = n
+
+
+def test_follow_sets_the_published_count_once(tmp_path, monkeypatch) -> None:
     share = tmp_path / "threads"
     monkeypatch.delenv(cpu_share.SHARE_ENV, raising=False)
-    torch.set_num_threads(1)
+    monkeypatch.setattr(cpu_share, "_refused", set())
+    threads = Threads(monkeypatch, 1)
     assert cpu_share.follow() is None  # not a study's worker
     monkeypatch.setenv(cpu_share.SHARE_ENV, str(share))
     assert cpu_share.follow() is None  # no file (yet, or the study's round ended)
     for bad in ("", "two\n", "0\n", "-2\n"):
         share.write_text(bad)
         assert cpu_share.follow() is None
-        assert torch.get_num_threads() == 1
-    cpu_share.publish(share, 2)
-    assert cpu_share.follow() == 2 and torch.get_num_threads() == 2
+    cpu_share.publish(share, 1)
     assert cpu_share.follow() is None  # already in force
+    assert threads.asked == []
+    cpu_share.publish(share, 2)
+    assert cpu_share.follow() == 2 and threads.count == 2
+    assert cpu_share.follow() is None and threads.asked == [2]
+
+
+def test_a_count_the_process_cannot_take_is_not_claimed_nor_asked_again(tmp_path, monkeypatch) -> None:
+    """vLLM's in-process CPU engine makes torch.set_num_threads a no-op: the count stays, follow says nothing changed
+    and does not ask again (each refusal logs a vLLM warning)."""
+    share = tmp_path / "threads"
+    monkeypatch.setenv(cpu_share.SHARE_ENV, str(share))
+    monkeypatch.setattr(cpu_share, "_refused", set())
+    threads = Threads(monkeypatch, 1, settable=False)
+    cpu_share.publish(share, 2)
+    assert cpu_share.follow() is None and cpu_share.follow() is None
+    assert threads.count == 1 and threads.asked == [2]
 
 
 def test_a_worker_started_on_one_thread_takes_up_the_published_count(tmp_path) -> None:
