@@ -69,6 +69,7 @@ import functools
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -76,6 +77,7 @@ from torch import nn
 
 from ragen_core import distributed
 from ragen_core.config import ConfigError, ExperimentConfig
+from ragen_core.torch_builds import exclusive_build
 from ragen_core.trainer.engine import Precision, adamw, bump_versions, learning_rates, trainable_parameters
 from ragen_core.trainer.models import PolicyModels
 
@@ -124,7 +126,36 @@ def init_distributed(device: torch.device) -> None:
             torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
             os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize insists on it (launchers set it)
     _forget_stale_world_clone()
+    _load_shm_op()
     deepspeed.init_distributed(verbose=False)  # wraps the existing group
+
+
+SHM_OP_LOCK_TIMEOUT_S = 600.0
+"""How long a process waits for another one's build of DeepSpeed's shared-memory op (a first build takes about
+30 s on 2 cores) before it gives up with an error."""
+
+
+def _load_shm_op() -> None:
+    """Load DeepSpeed's CPU shared-memory collective op (``deepspeed_shm_comm``) before ``deepspeed.init_distributed``
+    does: DeepSpeed builds it with torch's extension builder at every start (ninja skips an up-to-date build), and a
+    process killed during that left the other starts on the machine waiting forever; built here under a lock that
+    dies with its holder (ragen_core/torch_builds.py), DeepSpeed then finds it loaded (``OpBuilder._loaded_ops``).
+    Does nothing where DeepSpeed has no such op for the accelerator."""
+    import deepspeed.ops  # lazily: deepspeed is the optional [gpu] extra and slow to import
+    from deepspeed.accelerator import get_accelerator
+    from filelock import Timeout
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    directory = Path(_get_build_directory(builder.name, verbose=False))
+    try:
+        with exclusive_build(directory, SHM_OP_LOCK_TIMEOUT_S):
+            builder.load(verbose=False)
+    except Timeout:
+        raise RuntimeError(f"DeepSpeed's {builder.name} op: another process held its build folder {directory} for "
+                           f"{SHM_OP_LOCK_TIMEOUT_S:.0f} s (its lock: {directory / 'ragen.lock'})") from None
 
 
 _cloned_from: list[object] = []

@@ -38,10 +38,10 @@ A build can never leave a later run waiting: torch guards each build directory w
 owner and waits for it forever, so a process killed while holding it (Ctrl-C during a first rollout, a lost
 machine) would hang every later load. Here a process first takes its own lock on the directory, which the
 operating system releases when its holder dies, for at most ``LOCK_TIMEOUT_S``; a torch lock file found then
-can only belong to a dead process and is removed. Without a compiler, where the build fails or the lock is not
-had in time, or for a shape not instantiated (head sizes 32/64/128, up to 8 query rows per key/value head),
-:func:`decode_attention` returns None and the caller uses ``scaled_dot_product_attention``;
-``RAGEN_CPU_ATTENTION=0`` turns it off.
+can only belong to a dead process and is removed (``ragen_core/torch_builds.py``). Without a compiler, where the
+build fails or the lock is not had in time, or for a shape not instantiated (head sizes 32/64/128, up to 8 query
+rows per key/value head), :func:`decode_attention` returns None and the caller uses
+``scaled_dot_product_attention``; ``RAGEN_CPU_ATTENTION=0`` turns it off.
 
 Run the tests: ``python -m pytest tests/unit/rollout/test_cpu_attention.py
 tests/unit/rollout/test_cpu_attention_build.py -q``.
@@ -62,7 +62,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from filelock import FileLock, Timeout
+from filelock import Timeout
+
+from ragen_core.torch_builds import exclusive_build
 
 __all__ = ["Shared", "build_root", "compiler", "decode_attention", "kernel_available"]
 
@@ -462,12 +464,9 @@ def _build(directory: Path, name: str, flags: list[str]) -> None:
     so on one line when it compiles, and on one line when it fails. Raises Timeout, or the build's error."""
     from torch.utils.cpp_extension import load
 
-    directory.mkdir(parents=True, exist_ok=True)
     stamp = directory / "ragen-build.sha256"
     recipe = hashlib.sha256("\0".join([_SOURCE, *flags, torch.__version__]).encode()).hexdigest()
-    with FileLock(directory / "ragen.lock", timeout=LOCK_TIMEOUT_S):
-        # torch's own lock: held by nobody alive while we hold ours (every loader of this folder takes ours first)
-        (directory / "lock").unlink(missing_ok=True)
+    with exclusive_build(directory, LOCK_TIMEOUT_S):
         built = stamp.exists() and stamp.read_text() == recipe and (directory / f"{name}.so").exists()
         if not built:
             _announce(f"ragen: compiling the CPU decode attention kernel ({name}, {compiler()}) in {directory} ...")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -242,6 +243,29 @@ def test_missing_deepspeed_is_a_config_error(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` raise ImportError
     with pytest.raises(ConfigError, match="deepspeed is not importable"):
         init_state(make_cfg("grpo", *_ds(0)))
+
+
+@pytest.mark.usefixtures("deepspeed_installed")
+def test_a_lock_file_left_in_the_shm_op_build_keeps_no_start_waiting(tmp_path: Path) -> None:
+    """DeepSpeed's CPU start builds its shared-memory op under torch's owner-less lock file; one left by a process
+    killed during that (planted here, in a copy of the built op's folder) kept every later start waiting forever.
+    A start now removes it and goes on."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from ragen_core.trainer.deepspeed_engine import init_distributed
+
+    init_distributed(torch.device("cpu"))  # the op built (or found built) in its usual folder
+    built = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    folder = tmp_path / built.name
+    shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "ragen.lock"))  # mtimes kept: up to date
+    (folder / "lock").touch()
+    code = ("import torch; from ragen_core.trainer.deepspeed_engine import init_distributed; "
+            "init_distributed(torch.device('cpu')); print('started')")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0 and out.stdout.strip().endswith("started"), out.stderr[-2000:]
+    assert not (folder / "lock").exists()
 
 
 def test_trainer_package_imports_without_deepspeed() -> None:
