@@ -105,7 +105,7 @@ def study_workers(plan: SweepPlan, say: Callable[[str], None] = print) -> int:
     throughput): small matmuls and the decode loop's Python leave one process short of both cores."""
     import psutil  # lazily: only this decision needs it
 
-    if plan.sweep.dispatch != "local" or gpus.offered() or (os.cpu_count() or 1) < 2:
+    if plan.sweep.dispatch != "local" or gpus.offered() or cpu_share.cores() < 2:
         return 1
     need, source = run_memory(plan, storage_url(plan.sweep), STUDY_RUN_BYTES)
     available = psutil.virtual_memory().available
@@ -120,7 +120,7 @@ def worker_threads(plan: SweepPlan, workers: int) -> int | None:
     no GPU; None (torch's default) with one worker, GPUs or a pool."""
     if workers < 2 or plan.sweep.dispatch != "local" or gpus.offered():
         return None
-    return max(1, (os.cpu_count() or 1) // workers)
+    return max(1, cpu_share.cores() // workers)
 
 
 def spawner(plan: SweepPlan, overrides: list[str], parent_run_id: str, study: optuna.Study
@@ -144,7 +144,7 @@ def spawner(plan: SweepPlan, overrides: list[str], parent_run_id: str, study: op
             env[cpu_share.SHARE_ENV] = str(share)
 
             def on_alive(alive: int) -> None:
-                more = max(1, (os.cpu_count() or 1) // alive)
+                more = max(1, cpu_share.cores() // alive)
                 print(f"[sweep] a worker ended, {alive} still running: {more} threads each from their next "
                       "iteration")
                 cpu_share.publish(share, more)

@@ -28,10 +28,18 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["SHARE_ENV", "follow", "publish"]
+__all__ = ["SHARE_ENV", "cores", "follow", "publish"]
 
 SHARE_ENV = "RAGEN_CPU_SHARE"
 """The file a worker reads its torch thread count from (one integer), set by the study that started it."""
+
+
+def cores() -> int:
+    """The cores this process may run on, which the study shares out: its CPU affinity where the system keeps one
+    (a container's cpuset, ``taskset``: ``os.cpu_count()`` counts the whole machine there), else every core."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 def publish(path: str | Path, threads: int) -> None:

@@ -65,7 +65,7 @@ def test_a_study_runs_two_at_a_time_on_a_cpu_machine_with_room(monkeypatch, tmp_
                                                      storage=storage))
 
     def machine(cores: int, free_gib: float, offered: list[str]) -> None:
-        monkeypatch.setattr(sweep_module.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(sweep_module.cpu_share, "cores", lambda: cores)
         monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=int(free_gib * 2**30)))
         monkeypatch.setattr(sweep_module.gpus, "offered", lambda: offered)
 

@@ -83,3 +83,14 @@ def test_a_worker_started_on_one_thread_takes_up_the_published_count(tmp_path) -
     env = {**os.environ, "OMP_NUM_THREADS": "1", cpu_share.SHARE_ENV: str(share), "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "2", "2"]
+
+
+def test_cores_are_the_ones_this_process_may_run_on() -> None:
+    """Under a CPU affinity of one core (taskset, a container's cpuset) the study counts one, where os.cpu_count
+    counts the machine's: two workers of one thread each would then share that one core."""
+    code = ("import os; from ragen_core import cpu_share; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "print(cpu_share.cores(), os.cpu_count())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    assert out[0] == "1" and int(out[1]) == os.cpu_count()
+    assert cpu_share.cores() == len(os.sched_getaffinity(0))
