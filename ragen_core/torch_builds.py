@@ -7,8 +7,8 @@ killed while it holds it (a SIGKILL, Ctrl-C during a first start, a test's timeo
 file, and every later load of that folder on the machine waits forever. Two builds run that way here: this
 project's CPU decode attention kernel (``ragen_core/rollout/generators/cpu_attention.py``) and DeepSpeed's CPU
 shared-memory collective op, which ``deepspeed.init_distributed`` builds at every start
-(``ragen_core/trainer/deepspeed_engine.py``: a CI run's multi-process and DeepSpeed tests each waited until their
-600-s timeout behind one left by a killed run). So a loader first takes its own lock on the folder
+(``ragen_core/trainer/deepspeed_engine.py``: with a lock file left behind, every DeepSpeed start on the machine
+hangs, the multi-process tests each until their timeout). So a loader first takes its own lock on the folder
 (:func:`exclusive_build`), one the operating system releases when its holder dies; while it holds that, a torch
 lock file can only be a dead process's, and is removed. Processes of other programs building in the same folder
 do not take it: they keep torch's own protocol.

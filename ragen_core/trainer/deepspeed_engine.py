@@ -138,7 +138,7 @@ SHM_OP_LOCK_TIMEOUT_S = 600.0
 def _load_shm_op() -> None:
     """Load DeepSpeed's CPU shared-memory collective op (``deepspeed_shm_comm``) before ``deepspeed.init_distributed``
     does: DeepSpeed builds it with torch's extension builder at every start (ninja skips an up-to-date build), and a
-    process killed during that left the other starts on the machine waiting forever; built here under a lock that
+    process killed during that would leave the other starts on the machine waiting forever; built here under a lock that
     dies with its holder (ragen_core/torch_builds.py), DeepSpeed then finds it loaded (``OpBuilder._loaded_ops``).
     Does nothing where DeepSpeed has no such op for the accelerator."""
     import deepspeed.ops  # lazily: deepspeed is the optional [gpu] extra and slow to import

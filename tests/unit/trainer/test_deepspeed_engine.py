@@ -248,8 +248,8 @@ def test_missing_deepspeed_is_a_config_error(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.usefixtures("deepspeed_installed")
 def test_a_lock_file_left_in_the_shm_op_build_keeps_no_start_waiting(tmp_path: Path) -> None:
     """DeepSpeed's CPU start builds its shared-memory op under torch's owner-less lock file; one left by a process
-    killed during that (planted here, in a copy of the built op's folder) kept every later start waiting forever.
-    A start now removes it and goes on."""
+    killed during that (planted here, in a copy of the built op's folder) would keep every later start waiting
+    forever: a start removes it and goes on."""
     from torch.utils.cpp_extension import _get_build_directory
 
     from ragen_core.trainer.deepspeed_engine import init_distributed
