@@ -125,6 +125,8 @@ def main() -> None:
     print(f"case {args.case}: {experiment} " + " ".join(f"--set {o}" for o in overrides), flush=True)
     cpu_attention.kernel_available()  # the decode kernel is compiled once per environment: before anything is timed
     cfg = load_experiment(experiment, overrides)
+    # the format-warmed model the run starts from: trained once per checkout (minutes), before anything is timed
+    session.base_model_spec(cfg, say=lambda line: print(line, flush=True))
     rates = {p: matmul_rate(DTYPES[p]) / 1e9 for p in sorted({"fp32", compute_precision(cfg)})}  # GFLOP/s
     seconds: dict[str, float] = defaultdict(float)
     measured: list[float] = []
