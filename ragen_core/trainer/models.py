@@ -28,6 +28,7 @@ from torch import nn
 from ragen_core.config import ExperimentConfig, ModelConfig
 from ragen_core.models import causal_lm, load_model, lora_model, unwrap_lora
 from ragen_core.trainer.forward import decoder_and_head, hidden_states, policy_forward, shift_values
+from ragen_core.trainer.lora_fused import fuse_lora_linears
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -123,8 +124,10 @@ def build_policy_models(cfg: ExperimentConfig, base: nn.Module | None = None) ->
         from peft import get_peft_model
 
         actor = get_peft_model(base, _lora_config(mcfg))
+        fuse_lora_linears(actor)
         if critic is not None:
             critic.backbone = get_peft_model(critic.backbone, _lora_config(mcfg))
+            fuse_lora_linears(critic.backbone)
     value_head = nn.Linear(hidden_size, 1).to(device) if acfg.critic == "head" else None
     if mcfg.gradient_checkpointing:
         _enable_checkpointing(unwrap_lora(actor))

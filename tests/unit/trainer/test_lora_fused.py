@@ -1,0 +1,142 @@
+"""The fused LoRA linear (ragen_core/trainer/lora_fused.py): the same values and gradients as peft's forward, and
+peft's own forward, untouched, wherever the fused path does not apply.
+
+Run: .venv/bin/python -m pytest tests/unit/trainer/test_lora_fused.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora.layer import Linear as LoraLinear
+
+from ragen_core.models import tiny_random
+from ragen_core.trainer.lora_fused import fuse_lora_linears
+from ragen_core.trainer.models import build_policy_models
+from tests.unit.trainer.conftest import make_cfg
+
+
+def _lora(dropout: float = 0.0, target: str | list[str] = "all-linear") -> torch.nn.Module:
+    model, _ = tiny_random(0)
+    # init_lora_weights=False: B random, not zero, so the adapter's term is not zero and is checked
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=target,
+                                            init_lora_weights=False))
+
+
+def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids).logits  # [B, T, V]
+    loss = logits.float().pow(2).mean()
+    loss.backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None for p in trained)
+    return logits.detach(), [p.grad.clone() for p in trained]  # type: ignore[union-attr]
+
+
+def _count_addmm_(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    original = torch.Tensor.addmm_
+
+    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "addmm_", counted)
+    return calls
+
+
+def test_fused_equals_peft_values_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = _lora()
+    fused = copy.deepcopy(plain)
+    n = fuse_lora_linears(fused)
+    layers = sum(type(m) is LoraLinear for m in plain.modules())
+    assert n == layers and n > 0
+    ids = torch.randint(0, 200, (3, 11), generator=torch.Generator().manual_seed(0))
+    want_logits, want_grads = _loss_and_grads(plain, ids)
+    calls = _count_addmm_(monkeypatch)
+    got_logits, got_grads = _loss_and_grads(fused, ids)
+    assert calls[0] == n  # every LoRA layer took the fused path once
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert len(got_grads) == len(want_grads)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_fusing_is_idempotent_and_survives_deepcopy() -> None:
+    model = _lora()
+    n = fuse_lora_linears(model)
+    assert fuse_lora_linears(model) == n
+    copied = copy.deepcopy(model)
+    kinds = {type(m).__name__ for m in copied.modules() if isinstance(m, LoraLinear)}
+    assert kinds == {"FusedLoraLinear"}
+
+
+def _bf16_base(model: torch.nn.Module) -> None:
+    """A frozen bf16 model under fp32 adapters: peft casts between them."""
+    model.to(torch.bfloat16)
+    for m in model.modules():
+        if isinstance(m, LoraLinear):
+            m.lora_A.float()
+            m.lora_B.float()
+
+
+def _hook_lora_b(model: torch.nn.Module) -> None:
+    """A forward hook on each lora_B, as DeepSpeed ZeRO-3 puts on a module whose weight it partitions."""
+    for m in model.modules():
+        if isinstance(m, LoraLinear):
+            m.lora_B["default"].register_forward_pre_hook(lambda *_: None)
+
+
+def _merge(model: torch.nn.Module) -> None:
+    model.merge_adapter()  # type: ignore[operator]
+
+
+def _disabled(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    return model.disable_adapter()  # type: ignore[operator,no-any-return]
+
+
+CASES: dict[str, tuple[float, Callable[[torch.nn.Module], None] | None, Callable[[torch.nn.Module],
+            contextlib.AbstractContextManager[object]] | None]] = {
+    # case: (lora dropout, a change to the model, a context the forward runs in)
+    "disabled": (0.0, None, _disabled),  # the reference pass under LoRA
+    "merged": (0.0, _merge, None),
+    "autocast": (0.0, None, lambda _: torch.autocast("cpu", dtype=torch.bfloat16)),
+    "dropout": (0.1, None, None),
+    "bf16_base": (0.0, _bf16_base, None),
+    "hooked_b": (0.0, _hook_lora_b, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cases_the_fused_path_leaves_to_peft_run_peft_unchanged(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    dropout, change, context = CASES[case]
+    plain = _lora(dropout=dropout)
+    fused = copy.deepcopy(plain)
+    fuse_lora_linears(fused)
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+
+    def run(model: torch.nn.Module) -> torch.Tensor:
+        if change is not None:
+            change(model)
+        model.eval()
+        with context(model) if context is not None else contextlib.nullcontext(), torch.no_grad():
+            return model(input_ids=ids).logits
+
+    want = run(plain)
+    calls = _count_addmm_(monkeypatch)
+    got = run(fused)
+    assert calls[0] == 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # peft's own forward: the very same numbers
+
+
+def test_policy_models_under_lora_use_the_fused_layers() -> None:
+    models = build_policy_models(make_cfg("starpo", "model.lora_rank=4", "algorithm.critic=separate"))
+    assert models.critic is not None
+    for module in (models.actor, models.critic):
+        kinds = {type(m).__name__ for m in module.modules() if isinstance(m, LoraLinear)}
+        assert kinds == {"FusedLoraLinear"}
