@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from matmul import matmul_rate
 
-from ragen_core import session
+from ragen_core import memory, session
 from ragen_core.config import load_experiment, load_sweep
 from ragen_core.rollout.generators import cpu_attention
 from ragen_core.tracking import NullLogger
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--flow", action="store_true", help="also run it through the Prefect flow with MLflow")
     parser.add_argument("--no-roofline", action="store_true", help="skip the counted update at the end")
     args = parser.parse_args()
+    memory.use_huge_pages()  # as the ragen command runs (ragen_core/memory.py), before the first large tensor
     experiment, case_overrides = case_setting(args.case)
     experiment = args.experiment or experiment
     overrides = [*case_overrides, f"trainer.iterations={args.iterations}", "trainer.checkpoint_every=0",

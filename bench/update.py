@@ -54,6 +54,7 @@ from typing import Any, Self
 import psutil
 import torch
 
+from ragen_core import memory
 from ragen_core.config import TrainerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -573,6 +574,7 @@ def main() -> None:
     parser.add_argument("--mem-worker", choices=MEM_SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    memory.use_huge_pages()  # as the ragen command runs (ragen_core/memory.py), before the first large tensor
     if args.trl_worker:
         trl_worker(args)
         return

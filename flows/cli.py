@@ -26,6 +26,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ragen_core import memory
 from ragen_core.config import ConfigError, check_run_name, load_experiment
 
 app = typer.Typer(
@@ -418,6 +419,7 @@ def main() -> None:
     is one line on stderr and exit 1, its traceback only with RAGEN_DEBUG=1; Ctrl-C exits 130."""
     for key, value in QUIET_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    memory.use_huge_pages()  # before the first large tensor: torch reads the switch then (ragen_core/memory.py)
     if len(sys.argv) > 1 and sys.argv[1] in STARTS_PROCESSES and "--help" not in sys.argv:
         from flows import reaper
 

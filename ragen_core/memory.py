@@ -11,6 +11,13 @@ update) leave gigabytes of free heap resident after the step that made them. Mea
 sweep worker process that had finished one run held 14.6 GiB resident before the next run's first iteration, and
 ``malloc_trim(0)`` brought it to 3.7 GiB. :func:`release_free_memory` gives it back; each step of
 :class:`PeakMemory` does so at its end, so the next step starts from the memory the run actually holds.
+
+Large tensors are new pages. Above glibc's mmap threshold every allocation is a fresh mapping, and its first
+touch faults in each 4 KiB page: writing a new 175 MB tensor of vocabulary-sized logits took 160 ms where the same
+arithmetic in place took 21. :func:`use_huge_pages` has torch's CPU allocator ask for transparent huge pages
+(2 MiB) instead; the ``ragen`` command turns it on before anything is allocated.
+
+Tests: ``.venv/bin/python -m pytest tests/unit/test_memory.py tests/unit/test_session.py -q``.
 """
 
 from __future__ import annotations
@@ -19,12 +26,27 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import os
 import resource
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["PeakMemory", "peak_rss_bytes", "release_free_memory", "reset_peak_rss"]
+__all__ = ["HUGE_PAGES_ENV", "PeakMemory", "peak_rss_bytes", "release_free_memory", "reset_peak_rss", "use_huge_pages"]
+
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+"""torch's switch for its CPU allocator: allocations of 2 MiB or more aligned to 2 MiB and ``madvise``-d
+``MADV_HUGEPAGE`` (Linux; the kernel's transparent huge pages set to ``always`` or ``madvise``)."""
+
+
+def use_huge_pages() -> None:
+    """Large CPU tensors of this process (and of the processes it starts) on transparent huge pages, unless
+    :data:`HUGE_PAGES_ENV` is set already (``0`` keeps them off). torch reads the variable once, at the process's
+    first allocation of 2 MiB or more, so this must run before that. On the vanilla StarPO update of the Bandit
+    study's batch (fp32, 2 AVX2 cores, 3 updates in each of 2 processes a setting, alternated): 13.3 s an update
+    against 14.4 (1.08×), the vocabulary-sized log-prob and entropy pass 82 + 51 ms against 172 + 102. Where the
+    kernel gives no huge pages, nothing changes."""
+    os.environ.setdefault(HUGE_PAGES_ENV, "1")
 
 
 def reset_peak_rss() -> bool:
