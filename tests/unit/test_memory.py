@@ -6,6 +6,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_memory.py -q
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -22,8 +23,6 @@ def test_use_huge_pages_sets_the_switch_and_keeps_an_explicit_setting(monkeypatc
     monkeypatch.delenv(memory.HUGE_PAGES_ENV, raising=False)
     memory.use_huge_pages()
     assert memory.HUGE_PAGES_ENV == "THP_MEM_ALLOC_ENABLE"  # the name torch's CPU allocator reads
-    import os
-
     assert os.environ[memory.HUGE_PAGES_ENV] == "1"
     monkeypatch.setenv(memory.HUGE_PAGES_ENV, "0")
     memory.use_huge_pages()

@@ -21,10 +21,10 @@ from ragen_core.trainer.models import build_policy_models
 from tests.unit.trainer.conftest import make_cfg
 
 
-def _lora(dropout: float = 0.0, target: str | list[str] = "all-linear") -> torch.nn.Module:
+def _lora(dropout: float = 0.0) -> torch.nn.Module:
     model, _ = tiny_random(0)
     # init_lora_weights=False: B random, not zero, so the adapter's term is not zero and is checked
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=target,
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear",
                                             init_lora_weights=False))
 
 
