@@ -66,7 +66,8 @@ from filelock import Timeout
 
 from ragen_core.torch_builds import exclusive_build
 
-__all__ = ["Shared", "build_root", "compiler", "decode_attention", "kernel_available"]
+__all__ = ["Panels", "Shared", "build_root", "compiler", "decode_attention", "kernel_available", "pack_panels",
+           "panel_linear", "panels_pay"]
 
 log = logging.getLogger(__name__)
 
@@ -398,13 +399,139 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   }
   TORCH_CHECK(false, "decode_attention: head size 32, 64 or 128, got ", D);
 }
+// ---------------------------------------------------------------- the decode step's fp32 weight matmuls
+// y [M, N] = x [M, K] · Wᵀ (+ bias), W given as panels [P, K, NR]: NR = 2 vectors of output columns, each
+// panel's K rows contiguous (zero columns past N). A 6 x NR register tile (12 vector accumulators) runs over
+// the K rows of a panel reading one line of weights per row; the two threads take halves of the panels, and the
+// first tile of each panel prefetches the next panel's lines, so the weights stream from memory while the tile
+// computes. Rows go 96 at a time, so x stays in L2 while a chunk's panels pass.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+namespace panels {
+#if defined(CPU_CAPABILITY_AVX512)
+using V = __m512;
+constexpr int L = 16;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vbcast(const float* p) { return _mm512_set1_ps(*p); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+#else
+using V = __m256;
+constexpr int L = 8;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int NV = 2;
+constexpr int NR = NV * L;
+constexpr int MR = 6;
+constexpr int64_t CHUNK = 16 * MR;
+
+// R rows of x (row stride K) times one panel into y (row stride ldy): its first `cols` columns, plus bias.
+// The accumulators stay in registers only if nothing indexes them at run time: they leave through `buf`.
+template <int R>
+inline void tile(const float* __restrict x, int64_t K, const float* __restrict p, const float* next,
+                 const float* bias, float* y, int64_t ldy, int64_t cols) {
+  V acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    if (next) __builtin_prefetch(next + k * NR, 0, 3);
+    V b[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) b[v] = vload(p + k * NR + v * L);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const V a = vbcast(x + r * K + k);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = vfma(a, b[v], acc[r][v]);
+    }
+  }
+  alignas(64) float buf[R][NR];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) vstore(buf[r] + v * L, acc[r][v]);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = bias ? buf[r][c] + bias[c] : buf[r][c];
+}
+
+// the last rows of a chunk, fewer than MR
+template <int R>
+inline void rest(int rows, const float* x, int64_t K, const float* p, const float* next, const float* bias, float* y,
+                 int64_t ldy, int64_t cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile<R>(x, K, p, next, bias, y, ldy, cols);
+    rest<R - 1>(rows, x, K, p, next, bias, y, ldy, cols);
+  }
+}
+}  // namespace panels
+#endif
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& bias) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  using namespace panels;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "panel_linear: float32 tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.is_contiguous(),
+              "panel_linear: x [M, K] and contiguous panels [P, K, NR]");
+  const int64_t M = x.size(0), K = x.size(1), P = w.size(0);
+  TORCH_CHECK(w.size(1) == K && w.size(2) == NR && N > P * NR - NR && N <= P * NR,
+              "panel_linear: panels [P, K, ", NR, "] for N outputs and K inputs, got ", w.sizes(), " for N ", N);
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == N, "panel_linear: a float32 bias of N");
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {
+    const int64_t c1 = std::min(M, c0 + CHUNK);
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t j = p0; j < p1; ++j) {
+        const float* panel = wp + j * K * NR;
+        const float* next = j + 1 < p1 ? panel + K * NR : nullptr;
+        const int64_t cols = std::min<int64_t>(NR, N - j * NR);
+        const float* b = bp ? bp + j * NR : nullptr;
+        int64_t m = c0;
+        for (; m + MR <= c1; m += MR, next = nullptr)
+          tile<MR>(xp + m * K, K, panel, next, b, yp + m * N + j * NR, N, cols);
+        if (m < c1) rest<MR - 1>(int(c1 - m), xp + m * K, K, panel, next, b, yp + m * N + j * NR, N, cols);
+      }
+    });
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "panel_linear: built without AVX2 or AVX512");
+#endif
+}
+
+int64_t panel_width() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return panels::NR;
+#else
+  return 0;
+#endif
+}
 }  // namespace
 
 TORCH_LIBRARY(ragen_cpu_attention, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? shared_k=None, "
         "Tensor? shared_v=None, Tensor? shared_mask=None, Tensor? source=None) -> (Tensor, Tensor)");
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias=None) -> Tensor");
+  m.def("panel_width() -> int", &panel_width);
 }
-TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("panel_linear", &panel_linear);
+}
 """
 
 
@@ -569,3 +696,44 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     else:
         out, lse = op(q, keys, values, mask, scale, shared.keys_t, shared.values, shared.mask, shared.source)
     return out, lse
+
+
+PANEL_CAPABILITIES = ("AVX2",)
+"""Where the decode step's fp32 weight matmuls run on :func:`panel_linear` instead of oneDNN's packed weights: where
+it was measured faster (module docstring). The kernel is built for AVX512 too, unmeasured against oneDNN there."""
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A weight [N, K] as :func:`panel_linear` reads it: ``data`` [P, K, NR], the output columns in panels of NR
+    (:func:`pack_panels`), each panel's K rows contiguous; zero columns past ``n``."""
+
+    data: torch.Tensor
+    n: int
+
+
+def panels_pay() -> bool:
+    """Whether fp32 weight matmuls of the decode step run on :func:`panel_linear` here: the kernel is built, for a
+    capability in :data:`PANEL_CAPABILITIES`, and ``RAGEN_CPU_PANELS`` is not ``0``."""
+    return (os.environ.get("RAGEN_CPU_PANELS", "1") != "0" and _capability() in PANEL_CAPABILITIES
+            and _op() is not None)
+
+
+def pack_panels(weight: torch.Tensor) -> Panels | None:
+    """``weight`` [N, K] (float32, CPU) as :class:`Panels` (a new tensor), or None where the kernel is not built
+    or has no vector code (a DEFAULT build)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or _op() is None:
+        return None
+    width = int(torch.ops.ragen_cpu_attention.panel_width())
+    if width == 0:
+        return None
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % width))  # [P·NR, K]
+    return Panels(padded.view(-1, width, k).transpose(1, 2).contiguous(), n)
+
+
+def panel_linear(x: torch.Tensor, weight: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for the weight ``w`` that ``weight`` packs: x [..., K] float32 -> [..., N]."""
+    lead = x.shape[:-1]
+    y = torch.ops.ragen_cpu_attention.panel_linear(x.reshape(-1, x.shape[-1]), weight.data, weight.n, bias)
+    return y.view(*lead, weight.n)

@@ -53,9 +53,19 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from ragen_core.rollout.generators.cpu_attention import Shared, decode_attention
+from ragen_core.rollout.generators.cpu_attention import (
+    Panels,
+    Shared,
+    decode_attention,
+    pack_panels,
+    panel_linear,
+    panels_pay,
+)
 
 __all__ = ["LlamaDecodeStep", "SharedPrefix", "decode_step_for"]
+
+Weight = torch.Tensor | Panels
+"""A fused weight of the step: a plain or oneDNN-packed tensor, or cpu_attention's panels."""
 
 _MODEL_TYPES = ("llama", "qwen2")
 """Llama, and Qwen2: Llama's layers with biases on the q, k and v projections (the paper's model family)."""
@@ -134,11 +144,11 @@ def cascade_pays(groups: int, rows: int) -> bool:
 @dataclass
 class _Layer:
     norm1: torch.Tensor  # [H] input RMSNorm weight
-    qkv: torch.Tensor  # [(nh + 2 nkv) d, H]
-    o: torch.Tensor  # [H, nh d]
+    qkv: Weight  # [(nh + 2 nkv) d, H]
+    o: Weight  # [H, nh d]
     norm2: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: Weight  # [2 I, H]
+    down: Weight  # [H, I]
     qkv_bias: torch.Tensor | None = None  # [(nh + 2 nkv) d]: Qwen2's (Llama's with attention_bias)
     o_bias: torch.Tensor | None = None  # [H]: Llama's with attention_bias
 
@@ -191,8 +201,10 @@ class LlamaDecodeStep:
         self.scale = self.head_dim**-0.5
         self._stale = True  # fused weights to (re)build before the next step
         self._layers: list[_Layer] = []
-        self._embed = self._final_norm = self._head = torch.empty(0)
-        self._head_source: tuple[tuple[int, int, tuple[int, ...]], torch.Tensor] | None = None  # packed head's source
+        self._embed = self._final_norm = torch.empty(0)
+        self._head: Weight = torch.empty(0)
+        # the packed output layer's source and its key (address, version, shape, in panels)
+        self._head_source: tuple[tuple[int, int, tuple[int, ...], bool], torch.Tensor] | None = None
         self.last_hidden: torch.Tensor | None = None
         """[B, H] the final-norm hidden state of the last ``step`` (the one the logits came from)."""
         param = next(model.parameters())
@@ -203,6 +215,9 @@ class LlamaDecodeStep:
                        and (self.matmul_dtype == torch.float32
                             or (self.matmul_dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
         """Weights packed for oneDNN (module docstring); else plain ``F.linear``."""
+        self.panels = False
+        """fp32 weights packed in panels for cpu_attention.panel_linear instead (module docstring); decided at the
+        first build of the fused weights."""
 
     # ------------------------------------------------------------------ weights
 
@@ -217,48 +232,49 @@ class LlamaDecodeStep:
         sd = merged_state_dict(self.model)  # plain names, LoRA deltas added; no copies for a plain model
         n = self.n_layers
         prefix = "model."
+        dt = self.matmul_dtype
+        panels = self.panels = self.packed and dt == torch.float32 and panels_pay()
+
+        def weight(w: torch.Tensor) -> Weight:  # a matmul's weight in the matmuls' dtype, packed where they are
+            w = w.to(dt)
+            return _pack(w, panels) if self.packed else w
+
         with torch.no_grad():
             self._layers = []
             for i in range(n):
                 p = f"{prefix}layers.{i}."
                 biases = [b for x in "qkv" if (b := sd.get(p + f"self_attn.{x}_proj.bias")) is not None]
+                o_bias = sd.get(p + "self_attn.o_proj.bias")
                 self._layers.append(_Layer(
                     norm1=sd[p + "input_layernorm.weight"],
-                    qkv=torch.cat([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
-                                   sd[p + "self_attn.v_proj.weight"]]).contiguous(),
-                    o=sd[p + "self_attn.o_proj.weight"],
+                    qkv=weight(torch.cat([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
+                                          sd[p + "self_attn.v_proj.weight"]]).contiguous()),
+                    o=weight(sd[p + "self_attn.o_proj.weight"]),
                     norm2=sd[p + "post_attention_layernorm.weight"],
-                    gate_up=torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]).contiguous(),
-                    down=sd[p + "mlp.down_proj.weight"],
-                    qkv_bias=torch.cat(biases).contiguous() if len(biases) == 3 else None,
-                    o_bias=sd.get(p + "self_attn.o_proj.bias"),
+                    gate_up=weight(torch.cat([sd[p + "mlp.gate_proj.weight"],
+                                              sd[p + "mlp.up_proj.weight"]]).contiguous()),
+                    down=weight(sd[p + "mlp.down_proj.weight"]),
+                    qkv_bias=torch.cat(biases).contiguous().to(dt) if len(biases) == 3 else None,
+                    o_bias=None if o_bias is None else o_bias.to(dt),
                 ))
             self._embed = sd[prefix + "embed_tokens.weight"]
             self._final_norm = sd[prefix + "norm.weight"]
             head = sd.get("lm_head.weight", self._embed)
-            if self.matmul_dtype != self._embed.dtype:  # the matmuls' weights (and biases) in their own dtype
-                dt = self.matmul_dtype
-                for layer in self._layers:
-                    layer.qkv, layer.o = layer.qkv.to(dt), layer.o.to(dt)
-                    layer.gate_up, layer.down = layer.gate_up.to(dt), layer.down.to(dt)
-                    layer.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.to(dt)
-                    layer.o_bias = None if layer.o_bias is None else layer.o_bias.to(dt)
             if self.packed:
-                for layer in self._layers:
-                    layer.qkv, layer.o = _pack(layer.qkv), _pack(layer.o)
-                    layer.gate_up, layer.down = _pack(layer.gate_up), _pack(layer.down)
                 # the output layer (tied to the embedding, no adapter under LoRA) is mostly unchanged by an update:
                 # packing its 49k x 576 weights again took 45 ms of the ~0.25 s rebuild after every update. Its
                 # source is kept alive, so no other tensor can take its address: the same address and version
                 # counter then mean the same values (a new .data or an in-place step changes one of them)
-                key = (head.data_ptr(), head._version, tuple(head.shape))
+                key = (head.data_ptr(), head._version, tuple(head.shape), panels)
                 if self._head_source is None or key != self._head_source[0]:
-                    self._head, self._head_source = _pack(head.to(self.matmul_dtype)), (key, head.detach())
+                    self._head, self._head_source = _pack(head.to(self.matmul_dtype), panels), (key, head.detach())
             else:
                 self._head = head.to(self.matmul_dtype)
         self._stale = False
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, Panels):  # fp32 activations and weights
+            return panel_linear(x, weight, bias)
         dtype = x.dtype
         if dtype != self.matmul_dtype:
             x = x.to(self.matmul_dtype)
@@ -408,9 +424,13 @@ PACK_ROWS_HINT = 64
 """The batch size oneDNN's packed layout is chosen for; measured fast for 1 to 64 rows (module docstring)."""
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] in oneDNN's blocked layout for ``mkldnn._linear_pointwise`` (a new tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+def _pack(weight: torch.Tensor, panels: bool) -> Weight:
+    """``weight`` [N, K] packed (a new tensor): in panels for ``cpu_attention.panel_linear`` where ``panels``
+    (falling back to oneDNN where the kernel does not pack it), else in oneDNN's blocked layout for
+    ``mkldnn._linear_pointwise``."""
+    packed = pack_panels(weight) if panels else None
+    return packed if packed is not None else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
+                                                                                     PACK_ROWS_HINT)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -124,6 +124,49 @@ def test_bad_shared_columns_get_a_clear_error():
         op(q, k, v, mask, 0.1, sk, sv, None, None)
 
 
+@pytest.mark.usefixtures("needs_compiler")
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (5, 17, 3), (6, 32, 64), (13, 100, 33), (64, 3072, 576),
+                                           (97, 576, 1536), (200, 40, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_f_linear(m, n, k, bias):
+    """The decode step's fp32 weight matmul on panels: rows in whole tiles of 6 and a rest, row chunks of 96,
+    output columns past the last whole panel, with and without a bias."""
+    torch.manual_seed(m * n + k)
+    w, x, b = torch.randn(n, k), torch.randn(m, k), torch.randn(n) if bias else None
+    packed = cpu_attention.pack_panels(w)
+    assert packed is not None and packed.n == n and packed.data.shape[1] == k
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = cpu_attention.panel_linear(x, packed, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.usefixtures("needs_compiler")
+def test_panel_linear_matches_on_leading_dimensions_and_a_strided_input():
+    w = torch.randn(50, 24)
+    packed = cpu_attention.pack_panels(w)
+    assert packed is not None
+    x = torch.randn(2, 3, 48)[..., ::2]  # [2, 3, 24], not contiguous
+    torch.testing.assert_close(cpu_attention.panel_linear(x, packed), F.linear(x, w), rtol=0, atol=1e-5)
+
+
+@pytest.mark.usefixtures("needs_compiler")
+def test_panel_linear_refuses_bad_inputs_with_a_clear_error():
+    w = torch.randn(20, 8)
+    packed = cpu_attention.pack_panels(w)
+    assert packed is not None
+    op = torch.ops.ragen_cpu_attention.panel_linear
+    with pytest.raises(RuntimeError, match="panels"):  # K of x differs from the weight's
+        op(torch.randn(3, 9), packed.data, 20, None)
+    with pytest.raises(RuntimeError, match="panels"):  # more outputs than the panels hold
+        op(torch.randn(3, 8), packed.data, packed.data.shape[0] * packed.data.shape[2] + 1, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.randn(3, 8).double(), packed.data, 20, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(torch.randn(3, 8), packed.data, 20, torch.randn(19))
+    assert cpu_attention.pack_panels(w.double()) is None  # not float32: the caller keeps its own matmul
+
+
 def test_shapes_the_kernel_does_not_cover_fall_back():
     """Not float32, a head size or group size not built, or a key layout without a contiguous last dimension:
     None, and the caller uses torch's attention."""
@@ -133,6 +176,15 @@ def test_shapes_the_kernel_does_not_cover_fall_back():
                             0.1) is None
     assert decode_attention(torch.randn(1, 1, 9, 64), k, v, mask, 0.1) is None
     assert decode_attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, mask, 0.1) is None
+
+
+def test_panels_pay_where_measured_and_not_when_turned_off(monkeypatch):
+    """The decode step's fp32 matmuls run on panels on AVX2 (where they were measured faster than oneDNN) unless
+    RAGEN_CPU_PANELS=0."""
+    built = cpu_attention.kernel_available()
+    assert cpu_attention.panels_pay() == (built and cpu_attention._capability() in cpu_attention.PANEL_CAPABILITIES)
+    monkeypatch.setenv("RAGEN_CPU_PANELS", "0")
+    assert not cpu_attention.panels_pay()
 
 
 def test_turned_off_by_the_environment(monkeypatch):
@@ -150,7 +202,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = """
 import sys, pytest, torch
 assert str(torch.backends.cpu.get_cpu_capability()) == sys.argv[1], torch.backends.cpu.get_cpu_capability()
-chosen = "(matches or shared or no_real or builds) and not avx2_cpu"
+chosen = "(matches or shared or no_real or builds or panel) and not avx2_cpu"
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", chosen]))
 """
 

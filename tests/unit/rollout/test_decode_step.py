@@ -9,11 +9,22 @@ import torch
 from trained_lora import with_trained_lora
 
 from ragen_core.models.tiny import tiny_random
+from ragen_core.rollout.generators import cpu_attention, decode_step
 from ragen_core.rollout.generators.base import SamplingParams
 from ragen_core.rollout.generators.decode_step import decode_step_for
 from ragen_core.rollout.generators.hf import HFGenerator
 from ragen_core.rollout.generators.kv import cache_layers, growing_cache
 from tests.conftest import require
+
+
+@pytest.fixture(params=["panels", "onednn"])
+def matmuls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fast step's fp32 weight matmuls on cpu_attention's panels, or on oneDNN's packed weights, whichever this
+    CPU would pick (cpu_attention.panels_pay)."""
+    if request.param == "panels":
+        require(cpu_attention.kernel_available(), "the CPU kernel is not built (no compiler?)")
+    monkeypatch.setattr(decode_step, "panels_pay", lambda: request.param == "panels")
+    return str(request.param)
 
 
 def _prefilled(model, prompts: list[list[int]], pad: int = 0):
@@ -30,7 +41,7 @@ def _prefilled(model, prompts: list[list[int]], pad: int = 0):
     return growing_cache(cache_layers(out.past_key_values), room=8), mask
 
 
-def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch() -> None:
+def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch(matmuls: str) -> None:
     model, _ = tiny_random(seed=3)
     model.eval()
     step = decode_step_for(model)
@@ -54,7 +65,7 @@ def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch() -> Non
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(lora: bool) -> None:
+def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(lora: bool, matmuls: str) -> None:
     """A later turn's prefill: rows of different kept lengths (left-padded, zeros) and different suffix lengths
     (left-padded too), T tokens a row through the fast step, against model.forward over the same cache: the last
     position's logits, and every real column of the cache; the padding's columns are finite."""
@@ -88,7 +99,7 @@ def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(l
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_generations_with_and_without_the_fast_step_agree(lora: bool) -> None:
+def test_generations_with_and_without_the_fast_step_agree(lora: bool, matmuls: str) -> None:
     model, tok = tiny_random(seed=1)
     if lora:
         model = with_trained_lora(model, ["q_proj", "v_proj", "up_proj"])
@@ -98,6 +109,9 @@ def test_generations_with_and_without_the_fast_step_agree(lora: bool) -> None:
     slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params)
     assert HFGenerator(model, tok, fast_decode=True)._step is not None
     assert HFGenerator(model, tok)._step is not None  # on by default (RolloutConfig.fast_decode)
+    fast_gen = HFGenerator(model, tok, fast_decode=True)
+    fast_gen.generate(prompts[:1], params)
+    assert fast_gen._step is not None and fast_gen._step.panels == (matmuls == "panels")
     for f, s in zip(fast, slow, strict=True):
         assert f.token_ids == s.token_ids and f.finish_reason == s.finish_reason
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
