@@ -24,7 +24,14 @@ shapes (64 rows in 8 groups, a 184-token prompt, 25 own tokens): 0.29 ms a layer
 row-wise scores and 0.73 ms for torch's flash kernel over each group's stacked query rows merged with this
 kernel's own part by log-sum-exps. A group's keys are read once per row, but from cache (94 KB a head).
 
-No library offers this for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
+The same build carries the decode step's fp32 weight matmul for CPUs with AVX2 only (:func:`panel_linear`,
+used where :func:`panels_pay`): a weight [N, K] packed as panels [N/16, K, 16] (:func:`pack_panels`), a register
+tile of 6 rows by 2 vectors of columns running down a panel one cache line of weights per input element, the panels
+split between the threads, each panel's first tile prefetching the next. A decode step's 540 MB of fp32 weights
+come from memory, and oneDNN's AVX2 kernels wait for them: timed as a step runs them (30 layers' four matmuls and
+the output layer, each weight its own), 129 against 160 ms at 64 rows, 26 against 43 ms at 8 (docs/benchmarks.md).
+
+No library offers this attention for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
 paged layout, torch's flash kernel is the one compared above. The source below is written into the build directory
 and compiled at first use by ``torch.utils.cpp_extension.load`` (``$CXX``, else ``c++``, and ninja), announced by one
 line on stderr that says what it builds and how it ended, for the vector instructions torch itself uses on the CPU

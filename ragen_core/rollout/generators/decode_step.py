@@ -16,7 +16,10 @@ running the same arithmetic on the same weights directly, with the matmuls on pa
 - q, k and v come from one matmul (the three projections' weights concatenated), gate and up from one;
 - on a CPU with oneDNN and fp32 weights, every weight matmul runs on weights packed once into oneDNN's blocked layout
   (``mkldnn._reorder_linear_weight``, as inductor's CPU freezing does): with SmolLM2's shapes 205 GFLOP/s at
-  64 rows against 113 through ``F.linear``, and 2.8-3.3x faster at 8-17 rows. Elsewhere ``F.linear``;
+  64 rows against 113 through ``F.linear``, and 2.8-3.3x faster at 8-17 rows. On a CPU with AVX2 only, fp32 weights
+  are packed in panels for cpu_attention.py's panel matmul instead, which keeps up with the weights streaming from
+  memory where oneDNN's AVX2 kernels do not (1.2-1.7x at 1-64 rows; ``RAGEN_CPU_PANELS=0`` keeps oneDNN).
+  Elsewhere ``F.linear``;
 - ``compute_dtype`` bf16 over fp32 weights (the trainer's resolved ``trainer.precision``, engine_settings.py)
   runs the weight matmuls on bf16 copies of the weights (packed for oneDNN's bf16 kernels where the CPU has
   them), the activations cast to bf16 on the way in and back to fp32 after, as ``torch.autocast`` would; the
