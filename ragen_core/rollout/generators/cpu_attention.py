@@ -735,8 +735,8 @@ def pack_panels(weight: torch.Tensor) -> Panels | None:
     if width == 0:
         return None
     n, k = weight.shape
-    padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % width))  # [P·NR, K]
-    return Panels(padded.view(-1, width, k).transpose(1, 2).contiguous(), n)
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % width)) if n % width else weight  # [P·NR, K]
+    return Panels(padded.reshape(-1, width, k).transpose(1, 2).contiguous(), n)
 
 
 def panel_linear(x: torch.Tensor, weight: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
