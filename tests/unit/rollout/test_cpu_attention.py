@@ -142,12 +142,16 @@ def test_panel_linear_matches_f_linear(m, n, k, bias):
 
 
 @pytest.mark.usefixtures("needs_compiler")
-def test_panel_linear_matches_on_leading_dimensions_and_a_strided_input():
+def test_panel_linear_matches_on_leading_dimensions_and_strided_inputs_and_weights():
     w = torch.randn(50, 24)
     packed = cpu_attention.pack_panels(w)
     assert packed is not None
     x = torch.randn(2, 3, 48)[..., ::2]  # [2, 3, 24], not contiguous
     torch.testing.assert_close(cpu_attention.panel_linear(x, packed), F.linear(x, w), rtol=0, atol=1e-5)
+    wt = torch.randn(24, 64).t()  # [64, 24], not contiguous, whole panels
+    packed_t = cpu_attention.pack_panels(wt)
+    assert packed_t is not None
+    torch.testing.assert_close(cpu_attention.panel_linear(x, packed_t), F.linear(x, wt), rtol=0, atol=1e-5)
 
 
 @pytest.mark.usefixtures("needs_compiler")
