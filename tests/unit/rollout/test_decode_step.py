@@ -19,8 +19,8 @@ from tests.conftest import require
 
 @pytest.fixture(params=["panels", "onednn"])
 def matmuls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The fast step's fp32 weight matmuls on cpu_attention's panels, or on oneDNN's packed weights, whichever this
-    CPU would pick (cpu_attention.panels_pay)."""
+    """The fast step's fp32 weight matmuls forced onto cpu_attention's panels, or onto oneDNN's packed weights, whatever
+    this CPU would pick by itself (cpu_attention.panels_pay)."""
     if request.param == "panels":
         require(cpu_attention.kernel_available(), "the CPU kernel is not built (no compiler?)")
     monkeypatch.setattr(decode_step, "panels_pay", lambda: request.param == "panels")
@@ -54,6 +54,7 @@ def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch(matmuls:
         positions = mask.sum(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
         fast = step.step(ids, positions[:, 0], mask, fast_cache)
+        assert step.panels == (matmuls == "panels")
         with torch.inference_mode():
             slow = model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions,
                          past_key_values=slow_cache, use_cache=True).logits[:, -1, :]
@@ -86,6 +87,7 @@ def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(l
         mask[b, mask.shape[1] - len(sfx):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, kept_mask.shape[1]:]
     fast = step.prefill(ids, positions, mask, fast_cache)
+    assert step.panels == (matmuls == "panels")
     with torch.inference_mode():
         slow = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=slow_cache,
                      use_cache=True).logits[:, -1, :]
@@ -105,13 +107,11 @@ def test_generations_with_and_without_the_fast_step_agree(lora: bool, matmuls: s
         model = with_trained_lora(model, ["q_proj", "v_proj", "up_proj"])
     prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1], [11, 4]]
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
-    fast = HFGenerator(model, tok, fast_decode=True).generate(prompts, params)
-    slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params)
-    assert HFGenerator(model, tok, fast_decode=True)._step is not None
-    assert HFGenerator(model, tok)._step is not None  # on by default (RolloutConfig.fast_decode)
     fast_gen = HFGenerator(model, tok, fast_decode=True)
-    fast_gen.generate(prompts[:1], params)
+    fast = fast_gen.generate(prompts, params)
+    slow = HFGenerator(model, tok, fast_decode=False).generate(prompts, params)
     assert fast_gen._step is not None and fast_gen._step.panels == (matmuls == "panels")
+    assert HFGenerator(model, tok)._step is not None  # on by default (RolloutConfig.fast_decode)
     for f, s in zip(fast, slow, strict=True):
         assert f.token_ids == s.token_ids and f.finish_reason == s.finish_reason
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
