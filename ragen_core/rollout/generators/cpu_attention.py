@@ -708,7 +708,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 PANEL_CAPABILITIES = ("AVX2",)
 """Where the decode step's fp32 weight matmuls run on :func:`panel_linear` instead of oneDNN's packed weights: where
 it was measured faster (module docstring). Its AVX512 build is tested but not used: on 2 AVX512 cores it matched
-oneDNN within ±13% from 4 rows a step and was clearly faster only at 1 (docs/benchmarks.md)."""
+oneDNN from 4 rows a step (0.87-1.16×) and was clearly faster only at 1 (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
