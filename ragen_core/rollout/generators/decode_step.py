@@ -22,8 +22,10 @@ running the same arithmetic on the same weights directly, with the matmuls on pa
   Elsewhere ``F.linear``;
 - ``compute_dtype`` bf16 over fp32 weights (the trainer's resolved ``trainer.precision``, engine_settings.py)
   runs the weight matmuls on bf16 copies of the weights (packed for oneDNN's bf16 kernels where the CPU has
-  them), the activations cast to bf16 on the way in and back to fp32 after, as ``torch.autocast`` would; the
-  residual stream, the norms, the rotary embedding, attention and the cache stay fp32;
+  them), the activations cast to bf16 on the way in, as ``torch.autocast`` would. The MLP's SiLU and product
+  stay bf16 between its two matmuls, as under autocast, and the o and down outputs are added to the fp32
+  residual stream as they are (the sum promotes them), so those matmuls' outputs are never cast on their own;
+  the residual stream, the norms, the rotary embedding, attention and the cache stay fp32;
 - rotary embeddings come from the model's own rotary module (so any rope scaling it has is kept);
 - keys and values are appended in place into the preallocated cache of ``kv.growing_cache`` (the cache the
   prefill filled, with room for the replies), so cross-turn reuse and dropping finished rows work unchanged;
@@ -275,7 +277,10 @@ class LlamaDecodeStep:
                 self._head = head.to(self.matmul_dtype)
         self._stale = False
 
-    def _linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+                keep: bool = False) -> torch.Tensor:
+        """x @ weight.T (+ bias) in the matmuls' dtype; the result back in x's dtype, or as it came where
+        ``keep`` (the caller's next op is the MLP's bf16 product, or a sum with the fp32 residual stream)."""
         if isinstance(weight, Panels):  # fp32 activations and weights
             return panel_linear(x, weight, bias)
         dtype = x.dtype
@@ -285,7 +290,7 @@ class LlamaDecodeStep:
             y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         else:
             y = F.linear(x, weight, bias)
-        return y.to(dtype)
+        return y if keep else y.to(dtype)
 
     # ------------------------------------------------------------------ the step
 
@@ -344,10 +349,10 @@ class LlamaDecodeStep:
                 a = fused[0]  # [B, nkv, nh // nkv, d]: the fused kernel of cpu_attention.py
             else:
                 a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
-            x = x + self._linear(a.reshape(b, nh * d), layer.o, layer.o_bias)
+            x = x + self._linear(a.reshape(b, nh * d), layer.o, layer.o_bias, keep=True)
             h = self._rms(x, layer.norm2)
-            gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer.down)
+            gate, up = self._linear(h, layer.gate_up, keep=True).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer.down, keep=True)
         hidden = self._rms(x, self._final_norm)  # [B, H] the last hidden state (a value head reads it)
         self.last_hidden = hidden
         return self._linear(hidden, self._head)
@@ -388,10 +393,10 @@ class LlamaDecodeStep:
             q = q.reshape(b, nkv, g * t, d)  # heads h·g .. h·g + g - 1 read key/value head h
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
             a = a.view(b, nh, t, d).transpose(1, 2).reshape(b * t, nh * d)
-            x = x + self._linear(a, layer.o, layer.o_bias).view(b, t, -1)
+            x = x + self._linear(a, layer.o, layer.o_bias, keep=True).view(b, t, -1)
             h = self._rms(x, layer.norm2).view(b * t, -1)
-            gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer.down).view(b, t, -1)
+            gate, up = self._linear(h, layer.gate_up, keep=True).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer.down, keep=True).view(b, t, -1)
         hidden = self._rms(x[:, -1], self._final_norm)  # [B, H]
         self.last_hidden = hidden
         return self._linear(hidden, self._head)

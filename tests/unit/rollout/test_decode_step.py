@@ -304,8 +304,8 @@ def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: boo
             auto = model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions,
                          past_key_values=auto_cache, use_cache=True).logits[:, -1, :].float()
         assert fast.dtype == torch.float32
-        # logits of about 1: bf16's spacing there is 2^-7 (0.0078); autocast's attention and MLP products run in
-        # bf16 where the step's stay fp32, so the two differ by a rounding or two of the output, not more
+        # logits of about 1: bf16's spacing there is 2^-7 (0.0078); autocast's attention runs in bf16 where the
+        # step's stays fp32, so the two differ by a rounding or two of the output, not more
         torch.testing.assert_close(fast, auto, rtol=0, atol=1e-2)
         assert (fast - fp32).abs().max() > 1e-3
         assert {t.dtype for layer in cache_layers(bf_cache) for t in layer} == {torch.float32}
