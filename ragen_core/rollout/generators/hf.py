@@ -11,8 +11,10 @@ A call prefills, then decodes:
   ``decode_step.LlamaDecodeStep.prefill`` where the fast step covers the model (below): the decode step's fused,
   packed weights with LoRA merged, T tokens a row; else through ``model.forward`` (on CPU with attention.py's
   grouped-query SDPA). Rows with the same prompt and nothing reused (the N responses of a prompt on their first
-  turn) are prefilled once; rows go in groups of at most ``prefill_chunk_tokens`` padded tokens. The keys and
-  values land in preallocated buffers with room for the replies (kv.py), which decoding fills in place;
+  turn) are prefilled once; rows go in groups of at most ``prefill_chunk_tokens`` padded tokens, sorted by length
+  (a group's rows take consecutive slots of the decode batch). The keys and values land in preallocated buffers
+  with room for the replies (kv.py), which decoding fills in place; with the fast step each group builds its
+  cache straight in the decode batch's buffers;
 - each decode step feeds one token per unfinished row through ``decode_step.LlamaDecodeStep`` where
   ``fast_decode`` is on (the default) and the model is covered (Llama, Qwen2): fused weight matmuls on
   oneDNN-packed weights, the fused CPU attention kernel of cpu_attention.py, and cascade attention over a prompt
@@ -330,11 +332,14 @@ class HFGenerator:
         )
         room = max(r.limit for r in rows)
         shared = len(unique) < len(rows)  # then the rows come out of the prefill's cache below
-        layers, mask, logits, cache, values = self._prefill_unique(unique, 0 if shared else room)
-        slots = torch.arange(len(rows), device=self.device)
+        layers, mask, logits, cache, values, order = self._prefill_unique(unique, 0 if shared else room)
         if not shared:  # the prefill's cache already has the room (one group's, or the groups' written into it)
-            return _Batch(cache, mask, logits, slots, values=values)
-        index = torch.tensor(source, device=self.device)
+            return _Batch(cache, mask, logits, torch.tensor(order, device=self.device), values=values)
+        slot_of = [0] * len(order)  # a unique row's slot in the prefill's tensors
+        for slot, u in enumerate(order):
+            slot_of[u] = slot
+        slots = torch.arange(len(rows), device=self.device)
+        index = torch.tensor([slot_of[u] for u in source], device=self.device)
         values = None if values is None else values.index_select(0, index)
         if self._step is not None and self.device.type == "cpu" and cascade_pays(len(unique), len(rows)):
             # the fast step reads the prompts once per group (cascade attention); the rows' cache holds only
@@ -350,48 +355,61 @@ class HFGenerator:
 
     def _prefill_unique(
         self, rows: list[_Row], room: int
-    ) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor, DynamicCache, torch.Tensor | None]:
+    ) -> tuple[list[LayerKV], torch.Tensor, torch.Tensor, DynamicCache, torch.Tensor | None, list[int]]:
         """Per-layer keys/values [B, H, W, D], mask [B, W] (long) and last logits [B, V] of ``rows``; the
-        cache they live in, with ``room`` free slots for decoding; the last position's values [B] or None."""
+        cache they live in, with ``room`` free slots for decoding; the last position's values [B] or None; the
+        order of the rows in all of them (slot i holds ``rows[order[i]]``: the prefill groups one after another)."""
         groups = _chunks(list(range(len(rows))), rows, self.prefill_chunk_tokens)
         if len(groups) == 1:
             cache, mask, logits = self._prefill_group(rows, room)
-            return cache_layers(cache), mask, logits, cache, self._values()
+            return cache_layers(cache), mask, logits, cache, self._values(), list(range(len(rows)))
+        order = [i for group in groups for i in group]
         width = max(_width([rows[i] for i in g]) for g in groups)
         mask = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
-        buffers: list[LayerKV] = []  # [B, H, width + room, D]: the groups' caches go straight into the decode cache
-        logits = torch.empty(0)
         values = torch.empty(len(rows), device=self.device) if self._records_values() else None
+        # Buffers [B, H, width + room, D], a group's rows in consecutive slots, its columns right-aligned at width.
+        # With the fast step they exist before the first group, which builds its cache in them: its kept caches
+        # are copied once and its prefill appends there, and only the columns left of the group's are zeroed. A
+        # first turn under ``model.forward`` gets transformers' cache, copied in afterwards.
+        buffers = self._empty_buffers(len(rows), width + room) if self._step is not None else []
+        logits = torch.empty(0)
+        start = 0
         for group in groups:
-            g_cache, g_mask, g_logits = self._prefill_group([rows[i] for i in group], 0)
-            g_layers = cache_layers(g_cache)
+            g_rows = [rows[i] for i in group]
+            end, w = start + len(group), _width(g_rows)
+            out = ([(k[start:end, :, width - w :], v[start:end, :, width - w :]) for k, v in buffers]
+                   if self._step is not None else None)
+            g_cache, g_mask, g_logits = self._prefill_group(g_rows, 0, out)
             if not buffers:  # allocate once the first group tells us shapes and dtypes
                 buffers = [
                     (
                         k.new_empty(len(rows), k.shape[1], width + room, k.shape[3]),
                         v.new_empty(len(rows), v.shape[1], width + room, v.shape[3]),
                     )
-                    for k, v in g_layers
+                    for k, v in cache_layers(g_cache)
                 ]
-                for k, v in buffers:  # left padding holds zeros, not garbage (masked terms stay finite)
-                    k[:, :, :width].zero_()
-                    v[:, :, :width].zero_()
+            if out is None:
+                for (k, v), (gk, gv) in zip(buffers, cache_layers(g_cache), strict=True):
+                    k[start:end, :, width - w : width] = gk
+                    v[start:end, :, width - w : width] = gv
+            for k, v in buffers:  # left padding holds zeros, not garbage (masked terms stay finite)
+                k[start:end, :, : width - w].zero_()
+                v[start:end, :, : width - w].zero_()
+            mask[start:end, width - w :] = g_mask
+            if not len(logits):
                 logits = g_logits.new_empty(len(rows), g_logits.shape[-1])
-            index, w = torch.tensor(group, device=self.device), g_mask.shape[1]
-            for (k, v), (gk, gv) in zip(buffers, g_layers, strict=True):
-                k[index, :, width - w : width] = gk
-                v[index, :, width - w : width] = gv
-            mask[index, width - w :] = g_mask
-            logits[index] = g_logits
+            logits[start:end] = g_logits
             if values is not None:
-                values[index] = cast(torch.Tensor, self._values())
-        # the groups were written straight into buffers with room: copying the assembled caches into such buffers
-        # afterwards would add ~1.1 s to a 7.2-9.4 s prefill of the 5-turn FrozenLake rollout (4 groups a turn)
+                values[start:end] = cast(torch.Tensor, self._values())
+            start = end
         layers = [(k[:, :, :width], v[:, :, :width]) for k, v in buffers]
-        return layers, mask, logits, adopted_cache(buffers, width), values
+        return layers, mask, logits, adopted_cache(buffers, width), values, order
 
-    def _prefill_group(self, group: list[_Row], room: int) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        """Prefill one group; (its cache, with ``room`` free slots after the prompt, mask [G, W], logits [G, V])."""
+    def _prefill_group(
+        self, group: list[_Row], room: int, out: list[LayerKV] | None = None
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """Prefill one group; (its cache, with ``room`` free slots after the prompt, mask [G, W], logits [G, V]).
+        ``out`` (fast step only): per layer, buffers [G, H, >= W + room, D] the cache is built in."""
         reused = max(r.reused for r in group)
         new = max(len(r.suffix) for r in group)
         mask = torch.zeros(len(group), reused + new, dtype=torch.long)
@@ -405,15 +423,16 @@ class HFGenerator:
         cache = DynamicCache()
         if reused > 0:  # the kept caches stacked once, straight into buffers with room for the suffix and replies
             like = next(r.cached for r in group if r.cached is not None)
-            cache = stacked_cache([r.cached for r in group], reused, like, room=new + room)
+            cache = stacked_cache([r.cached for r in group], reused, like, room=new + room, out=out)
         if self._step is not None:  # the fast step's weights and arithmetic, T tokens a row (decode_step.py)
-            if reused == 0:
-                cache = self._empty_cache(len(group), new + room)
+            if reused == 0:  # the step writes every new column, padding included (finite), so nothing is zeroed
+                cache = adopted_cache(out, 0) if out is not None else self._empty_cache(len(group), new + room)
             logits = self._step.prefill(input_ids, positions, mask, cache).float()
             self._hidden = self._step.last_hidden
             return cache, mask, logits
+        assert out is None, "buffers to build a cache in are for the fast step"
         with self._autocast():
-            out = self.model(
+            result = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
@@ -421,19 +440,24 @@ class HFGenerator:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        logits = out.logits[:, -1, :].float()
+        logits = result.logits[:, -1, :].float()
         if self.compute_dtype is not None:
-            _cache_to(out.past_key_values, next(self.model.parameters()).dtype)
+            _cache_to(result.past_key_values, next(self.model.parameters()).dtype)
         if reused == 0 and room > 0:  # transformers' own cache: into growing buffers (one copy) to decode in
-            return growing_cache(cache_layers(out.past_key_values), room), mask, logits
-        return out.past_key_values, mask, logits
+            return growing_cache(cache_layers(result.past_key_values), room), mask, logits
+        return result.past_key_values, mask, logits
+
+    def _empty_buffers(self, rows: int, capacity: int) -> list[LayerKV]:
+        """Per-layer key/value buffers [rows, H, capacity, D] of the fast step's model, uninitialised, in the
+        model's dtype (as a kept cache is)."""
+        step = cast(LlamaDecodeStep, self._step)
+        weight = next(self.model.parameters())
+        shape = (rows, step.n_kv, capacity, step.head_dim)
+        return [(weight.new_empty(shape), weight.new_empty(shape)) for _ in range(step.n_layers)]
 
     def _empty_cache(self, rows: int, room: int) -> DynamicCache:
         """A growing cache with no columns filled and ``room`` free, in the model's dtype (as a kept cache is)."""
-        step = cast(LlamaDecodeStep, self._step)
-        weight = next(self.model.parameters())
-        shape = (rows, step.n_kv, room, step.head_dim)
-        return adopted_cache([(weight.new_empty(shape), weight.new_empty(shape)) for _ in range(step.n_layers)], 0)
+        return adopted_cache(self._empty_buffers(rows, room), 0)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         """``torch.autocast`` to ``compute_dtype``, or nothing."""

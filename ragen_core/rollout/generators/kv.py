@@ -27,7 +27,8 @@ def kv_nbytes(layers: Sequence[LayerKV]) -> int:
 
 
 def stacked_cache(
-    rows: Sequence[Sequence[LayerKV] | None], width: int, like: Sequence[LayerKV], room: int
+    rows: Sequence[Sequence[LayerKV] | None], width: int, like: Sequence[LayerKV], room: int,
+    out: Sequence[LayerKV] | None = None,
 ) -> DynamicCache:
     """Batch per-row caches, each right-aligned in ``width`` slots, into a growing cache with ``room`` free
     slots per layer after them (written straight into the cache's own buffers: one copy of the rows' caches).
@@ -35,12 +36,17 @@ def stacked_cache(
     rows: per row, a list over layers of ([H, L_r, D], [H, L_r, D]) or None for an empty cache;
     like: any cache of the same model (gives H, D, dtype, device). The caller's mask must be 0 on the
     left-padding slots, which hold zeros (not garbage) so masked attention terms stay finite.
+    out: per layer, buffers [B, H, >= width + room, D] (views of a larger batch's, say) to write into instead of
+    new ones; the cache then lives in them.
     """
     layers = []
     for layer, (k_like, v_like) in enumerate(like):
         h, d = k_like.shape[-3], k_like.shape[-1]
-        keys = k_like.new_empty(len(rows), h, width + room, d)  # [B, H, W + room, D]
-        values = v_like.new_empty(len(rows), h, width + room, v_like.shape[-1])
+        if out is not None:
+            keys, values = out[layer]
+        else:
+            keys = k_like.new_empty(len(rows), h, width + room, d)  # [B, H, W + room, D]
+            values = v_like.new_empty(len(rows), h, width + room, v_like.shape[-1])
         for b, row in enumerate(rows):
             n = 0 if row is None else row[layer][0].shape[-2]
             if n < width:  # left padding: zeros, not garbage, keep masked attention terms finite

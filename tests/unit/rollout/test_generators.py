@@ -329,6 +329,30 @@ def test_cache_reuse_with_batch_shrinking_and_chunked_prefill(tiny):
     assert eager.stats["reused_tokens"] > 0
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_chunked_prefill_of_prompt_groups_equals_one_chunk(tiny, fast):
+    """Prompt groups (each prompt twice) over three turns, prefilled in groups of a few tokens: the prefill groups
+    take the rows sorted by length, not in the call's order, and each row still gets its own replies and log-probs
+    (the fast step builds each group's cache in the decode buffers; ``model.forward``'s is copied in)."""
+    model, tokenizer = tiny
+
+    def run(gen):
+        contexts = [p for p in _prompts(tokenizer, TEXTS) for _ in range(2)]
+        user = tokenizer.encode("<|im_end|>\nTurn 2: reward 0.0. State: P _ O G")
+        history = []
+        for turn in range(3):
+            out = gen.generate(contexts, SamplingParams(temperature=1.0, max_new_tokens=6, seed=turn),
+                               session_ids=list(range(len(contexts))))
+            history.append(out)
+            contexts = [c + list(g.token_ids) + user[: 2 + 5 * (i % 3)]
+                        for i, (c, g) in enumerate(zip(contexts, out, strict=True))]
+        return history
+
+    chunked = HFGenerator(model, tokenizer, fast_decode=fast, prefill_chunk_tokens=16)
+    _assert_same(run(chunked), run(HFGenerator(model, tokenizer, fast_decode=fast)))
+    assert chunked.stats["shared_prompt_tokens"] > 0 and chunked.stats["reused_tokens"] > 0
+
+
 def test_cache_eviction_keeps_outputs_equal(tiny):
     model, tokenizer = tiny
     small = HFGenerator(model, tokenizer, max_cached_bytes=1)  # every cache is evicted at once
