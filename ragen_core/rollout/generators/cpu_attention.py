@@ -262,6 +262,13 @@ void scores_t(const float* q, const float* kt, int64_t kd, const float* mask, in
   }
 }
 
+// Whether every one of the W columns is masked (-inf).
+inline bool all_masked(const float* mask, int64_t W) {
+  for (int64_t w = 0; w < W; ++w)
+    if (mask[w] != NEG_INF) return false;
+  return true;
+}
+
 // acc[g] += sum_{w < W} p[g * ss + w] * v[w]
 template <int G, int D>
 void weighted_values(const float* p, int64_t ss, const float* v, int64_t vw, int64_t W, float (&acc)[G][D]) {
@@ -308,6 +315,11 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const float* qr = qp + bh * G * D;
+      if (P == 0 && all_masked(mp + b * mb, W)) {  // no real column (a finished decode row): nothing is read
+        std::fill(op + bh * G * D, op + (bh + 1) * G * D, 0.f);
+        std::fill(lp + bh * G, lp + (bh + 1) * G, NEG_INF);
+        continue;
+      }
       const int64_t u = P > 0 ? shared.source[b] : 0;
       if (P > 0)
         scores_t<G, D>(qr, shared.k + u * shared.kb + h * shared.kh, shared.kd, shared.mask + u * shared.mb, P, N,

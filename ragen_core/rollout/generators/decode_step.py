@@ -323,6 +323,11 @@ class LlamaDecodeStep:
         # call take it; the bool mask cost the same inside SDPA (measured: 59 ms for 30 layers either way)
         additive = _additive(mask, x.dtype)  # [B, W + 1]
         attn_mask = additive[:, None, None, :]  # [B, 1, 1, W + 1]
+        # A finished row still in the batch (this step's column masked) gets a wholly masked row for the fused
+        # kernel, which then reads none of its cache (on the FrozenLake study's rollout a fifth of the columns a
+        # step reads) and returns zeros; its output is never sampled. Torch's attention keeps the real mask: a
+        # wholly masked row would make NaN keys and values for this step's column.
+        kernel_mask = additive.masked_fill((mask[:, -1] == 0)[:, None], float("-inf")) if prefix is None else additive
         if prefix is not None:
             own_mask = additive[:, prefix.width :]  # [B, S] the columns after the shared ones (this step's included)
             shared_mask = prefix.additive(x.dtype)
@@ -345,7 +350,7 @@ class LlamaDecodeStep:
                 shared = Shared(prefix.keys_t(i), prefix.layers[i][1], shared_mask, prefix.source)
                 fused = decode_attention(q, keys, values, own_mask, self.scale, shared=shared)
                 a = fused[0] if fused is not None else self._cascade(q, keys, values, prefix, i, own_mask)
-            elif (fused := decode_attention(q, keys, values, additive, self.scale)) is not None:
+            elif (fused := decode_attention(q, keys, values, kernel_mask, self.scale)) is not None:
                 a = fused[0]  # [B, nkv, nh // nkv, d]: the fused kernel of cpu_attention.py
             else:
                 a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)

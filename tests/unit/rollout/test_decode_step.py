@@ -65,6 +65,36 @@ def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch(matmuls:
         ids = fast.argmax(-1)
 
 
+def test_a_finished_row_in_the_batch_leaves_the_others_as_model_forward_and_stays_finite() -> None:
+    """Steps where row 1 has finished (its new columns masked, as the sampling loop feeds it): the fused kernel
+    reads none of its cache, and the other rows' logits and cache are model.forward's; the finished row's logits
+    and the keys and values written for it stay finite (later steps mask them, and masked terms must stay finite)."""
+    require(cpu_attention.kernel_available(), "the CPU kernel is not built (no compiler?)")
+    model, _ = tiny_random(seed=4)
+    model.eval()
+    step = decode_step_for(model)
+    assert step is not None
+    prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]]
+    fast_cache, mask = _prefilled(model, prompts)
+    slow_cache, _ = _prefilled(model, prompts)
+    ids = torch.tensor([17, 0, 25])  # row 1 feeds the pad id
+    live = torch.tensor([1, 0, 1])
+    for _ in range(3):
+        positions = mask.sum(-1, keepdim=True)
+        mask = torch.cat([mask, live[:, None]], dim=1)
+        fast = step.step(ids, positions[:, 0], mask, fast_cache)
+        with torch.inference_mode():
+            slow = model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions,
+                         past_key_values=slow_cache, use_cache=True).logits[:, -1, :]
+        assert torch.isfinite(fast).all()
+        torch.testing.assert_close(fast[[0, 2]], slow[[0, 2]], rtol=1e-5, atol=1e-5)
+        for (fk, fv), (sk, sv) in zip(cache_layers(fast_cache), cache_layers(slow_cache), strict=True):
+            assert torch.isfinite(fk).all() and torch.isfinite(fv).all()
+            torch.testing.assert_close(fk[[0, 2]], sk[[0, 2]], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fv[[0, 2]], sv[[0, 2]], rtol=1e-5, atol=1e-5)
+        ids = torch.where(live == 1, fast.argmax(-1), 0)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(lora: bool, matmuls: str) -> None:
     """A later turn's prefill: rows of different kept lengths (left-padded, zeros) and different suffix lengths
