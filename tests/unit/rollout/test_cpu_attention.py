@@ -68,8 +68,10 @@ def test_matches_attention_over_padded_strided_caches(group, head):
 @pytest.mark.usefixtures("needs_compiler")
 def test_a_row_with_no_real_column_gets_zero_output_and_minus_infinity_lse():
     """A finished row under cascade attention may have all its own columns masked: its part then weighs 0
-    in the merge (lse -inf), where torch's flash kernel reports lse 0."""
+    in the merge (lse -inf), where torch's flash kernel reports lse 0. Such a row's keys and values are not read
+    (NaN there changes nothing): the decode step masks a finished row wholly so that its cache is skipped."""
     q, k, v = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 5, 64), torch.randn(2, 1, 5, 64)
+    k[0], v[0] = float("nan"), float("nan")
     mask = torch.zeros(2, 5)
     mask[0] = float("-inf")
     got = decode_attention(q, k, v, mask, 0.125)
