@@ -41,18 +41,25 @@ def _prefilled(model, prompts: list[list[int]], pad: int = 0):
     return growing_cache(cache_layers(out.past_key_values), room=8), mask
 
 
-def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch(matmuls: str) -> None:
-    model, _ = tiny_random(seed=3)
+def _padded_batch(seed: int):
+    """A tiny model (eval mode), its fast step, and two equal caches with room of three left-padded prompts
+    prefilled by model.forward (one for the step, one for model.forward), with their mask."""
+    model, _ = tiny_random(seed=seed)
     model.eval()
     step = decode_step_for(model)
     assert step is not None
     prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]]
     fast_cache, mask = _prefilled(model, prompts)
     slow_cache, _ = _prefilled(model, prompts)
+    return model, step, fast_cache, slow_cache, mask
+
+
+def test_a_step_gives_model_forwards_logits_and_cache_on_a_padded_batch(matmuls: str) -> None:
+    model, step, fast_cache, slow_cache, mask = _padded_batch(seed=3)
     ids = torch.tensor([17, 3, 25])
     for _ in range(3):  # three steps: each appends a column
         positions = mask.sum(-1, keepdim=True)
-        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
+        mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=torch.long)], dim=1)
         fast = step.step(ids, positions[:, 0], mask, fast_cache)
         assert step.panels == (matmuls == "panels")
         with torch.inference_mode():
@@ -70,13 +77,7 @@ def test_a_finished_row_in_the_batch_leaves_the_others_as_model_forward_and_stay
     reads none of its cache, and the other rows' logits and cache are model.forward's; the finished row's logits
     and the keys and values written for it stay finite (later steps mask them, and masked terms must stay finite)."""
     require(cpu_attention.kernel_available(), "the CPU kernel is not built (no compiler?)")
-    model, _ = tiny_random(seed=4)
-    model.eval()
-    step = decode_step_for(model)
-    assert step is not None
-    prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]]
-    fast_cache, mask = _prefilled(model, prompts)
-    slow_cache, _ = _prefilled(model, prompts)
+    model, step, fast_cache, slow_cache, mask = _padded_batch(seed=4)
     ids = torch.tensor([17, 0, 25])  # row 1 feeds the pad id
     live = torch.tensor([1, 0, 1])
     for _ in range(3):
@@ -327,7 +328,7 @@ def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: boo
     ids = torch.tensor([17, 3, 25])
     for _ in range(3):
         positions = mask.sum(-1, keepdim=True)
-        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
+        mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=torch.long)], dim=1)
         fast = step.step(ids, positions[:, 0], mask, bf_cache)
         fp32 = exact.step(ids, positions[:, 0], mask, fp_cache)
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
