@@ -37,32 +37,57 @@ def test_the_kernel_builds_here():
 
 
 @pytest.mark.usefixtures("needs_compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("group", "head"), [(1, 32), (2, 32), (3, 64), (4, 64), (7, 64), (8, 128)])
-def test_matches_attention_over_padded_strided_caches(group, head):
+def test_matches_attention_over_padded_strided_caches(group, head, dtype):
     """Left padding, holes, cache views with room after them (as kv.growing_cache makes), every group size
-    and head size built: out within 1e-5 and log-sum-exp within 1e-5 of float64 attention, and torch's SDPA.
-    37 columns: two whole blocks of 16 keys (the AVX512 path), or four of 8 (AVX2), and a rest; masked keys NaN
-    (never used)."""
+    and head size built, an fp32 or a bf16 cache: out within 1e-5 and log-sum-exp within 1e-5 of float64
+    attention over the same keys and values, and torch's SDPA. 37 columns: two whole blocks of 16 keys (the
+    AVX512 path), or four of 8 (AVX2), and a rest; masked keys NaN (never used)."""
     gen = torch.Generator().manual_seed(group * head)
     b, h, w, room = 5, 2, 37, 11
     q = torch.randn(b, h, group, head, generator=gen)
-    k = torch.randn(b, h, w + room, head, generator=gen)[:, :, :w]  # views: rows strided by w + room
-    v = torch.randn(b, h, w + room, head, generator=gen)[:, :, :w]
+    k = torch.randn(b, h, w + room, head, generator=gen).to(dtype)[:, :, :w]  # views: rows strided by w + room
+    v = torch.randn(b, h, w + room, head, generator=gen).to(dtype)[:, :, :w]
     real = torch.ones(b, w, dtype=torch.bool)
     real[1, :9] = False  # left padding
     real[2, 4:7] = False  # holes (cache reuse)
     real[3, :-1] = False  # one real column
     mask = torch.zeros(b, w).masked_fill_(~real, float("-inf"))
-    unread = torch.empty(b, h, w + room, head)[:, :, :w].copy_(k)  # a masked column's key is never used: NaN
+    unread = torch.empty(b, h, w + room, head, dtype=dtype)[:, :, :w].copy_(k)  # a masked key is never used: NaN
     unread.masked_fill_(~real[:, None, :, None], float("nan"))
     got = decode_attention(q, unread, v, mask, head**-0.5)
     assert got is not None
     out, lse = got
+    assert out.dtype == lse.dtype == torch.float32
     want, want_lse = _reference(q, k, v, mask, head**-0.5)
     assert (out.double() - want).abs().max() <= 1e-5
     assert (lse.double() - want_lse).abs().max() <= 1e-5
-    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :], scale=head**-0.5)
+    sdpa = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=real[:, None, None, :], scale=head**-0.5)
     assert (out - sdpa).abs().max() <= 1e-5
+
+
+@pytest.mark.usefixtures("needs_compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wholly_masked_column_chunks_are_not_read(dtype):
+    """A row's own columns go 64 at a time: a chunk with every column masked (a long left padding) is neither
+    scored nor read, so NaN keys and values there change nothing; a chunk with one real column is read."""
+    gen = torch.Generator().manual_seed(5)
+    b, h, g, d, w = 3, 2, 3, 64, 150
+    q = torch.randn(b, h, g, d, generator=gen)
+    k, v = (torch.randn(b, h, w, d, generator=gen).to(dtype) for _ in range(2))
+    real = torch.ones(b, w, dtype=torch.bool)
+    real[0, :128] = False  # columns 0-63 and 64-127: two wholly masked chunks
+    real[1, :127] = False  # the second chunk has one real column
+    real[1, 5] = True
+    mask = torch.zeros(b, w).masked_fill_(~real, float("-inf"))
+    nan_k, nan_v = k.clone(), v.clone()
+    nan_k[0, :, :128], nan_v[0, :, :128] = float("nan"), float("nan")
+    got = decode_attention(q, nan_k, nan_v, mask, d**-0.5)
+    assert got is not None
+    want, want_lse = _reference(q, k, v, mask, d**-0.5)
+    assert (got[0].double() - want).abs().max() <= 1e-5
+    assert (got[1].double() - want_lse).abs().max() <= 1e-5
 
 
 @pytest.mark.usefixtures("needs_compiler")
@@ -82,13 +107,14 @@ def test_a_row_with_no_real_column_gets_zero_output_and_minus_infinity_lse():
 
 
 @pytest.mark.usefixtures("needs_compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("group", "head", "p"), [(3, 64, 13), (3, 64, 75), (1, 32, 64), (8, 128, 40)])
-def test_shared_columns_then_own_columns_in_one_softmax(group, head, p):
+def test_shared_columns_then_own_columns_in_one_softmax(group, head, p, dtype):
     """Cascade attention in one call: row b attends to its group's shared columns (left-padded, as a prompt
     group's prefill makes them) and then to its own (views with room after them, one row with none real, as a
     finished row has). Equal to attention over each row's shared and own columns concatenated (float64
     reference, 1e-5), rows of a group in any order and groups of any size; shared widths below one block of
-    keys (32), whole blocks, and whole blocks with a part left."""
+    keys (32), whole blocks, and whole blocks with a part left; own columns in fp32 or bf16 (shared ones fp32)."""
     gen = torch.Generator().manual_seed(group + head + p)
     b, h, w, room = 7, 2, 6, 4
     groups = torch.tensor([2, 0, 2, 2, 0, 1, 2])  # uneven, interleaved
@@ -97,15 +123,15 @@ def test_shared_columns_then_own_columns_in_one_softmax(group, head, p):
     sv = torch.randn(3, h, p + room, head, generator=gen)[:, :, :p]
     shared_mask = torch.zeros(3, p)
     shared_mask[1, :5] = float("-inf")  # a shorter prompt, left-padded
-    k = torch.randn(b, h, w + room, head, generator=gen)[:, :, :w]
-    v = torch.randn(b, h, w + room, head, generator=gen)[:, :, :w]
+    k = torch.randn(b, h, w + room, head, generator=gen).to(dtype)[:, :, :w]
+    v = torch.randn(b, h, w + room, head, generator=gen).to(dtype)[:, :, :w]
     mask = torch.zeros(b, w)
     mask[3] = float("-inf")  # a finished row: no own column
     mask[4, :2] = float("-inf")
     got = decode_attention(q, k, v, mask, head**-0.5, shared=Shared(sk.transpose(2, 3).contiguous(), sv, shared_mask,
                                                                    groups))
     assert got is not None
-    whole_k, whole_v = torch.cat([sk[groups], k], 2), torch.cat([sv[groups], v], 2)
+    whole_k, whole_v = torch.cat([sk[groups], k.float()], 2), torch.cat([sv[groups], v.float()], 2)
     want, want_lse = _reference(q, whole_k, whole_v, torch.cat([shared_mask[groups], mask], 1), head**-0.5)
     assert (got[0].double() - want).abs().max() <= 1e-5
     assert (got[1].double() - want_lse).abs().max() <= 1e-5
@@ -113,7 +139,8 @@ def test_shared_columns_then_own_columns_in_one_softmax(group, head, p):
 
 @pytest.mark.usefixtures("needs_compiler")
 def test_bad_shared_columns_get_a_clear_error():
-    """A group index out of range, or part of the shared arguments only: an error that names the problem."""
+    """A group index out of range, part of the shared arguments only, or keys and values of two dtypes given
+    to the op itself: an error that names the problem."""
     q, k, v, mask = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 4, 64), torch.randn(2, 1, 4, 64), torch.zeros(2, 4)
     sk, sv, sm = torch.randn(2, 1, 64, 5), torch.randn(2, 1, 5, 64), torch.zeros(2, 5)  # keys transposed
     with pytest.raises(RuntimeError, match="source must index the shared groups"):
@@ -124,6 +151,8 @@ def test_bad_shared_columns_get_a_clear_error():
     assert op is not None
     with pytest.raises(RuntimeError, match="go together"):
         op(q, k, v, mask, 0.1, sk, sv, None, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 k and v"):
+        op(q, k.bfloat16(), v, mask, 0.1)
 
 
 @pytest.mark.usefixtures("needs_compiler")
@@ -174,10 +203,14 @@ def test_panel_linear_refuses_bad_inputs_with_a_clear_error():
 
 
 def test_shapes_the_kernel_does_not_cover_fall_back():
-    """Not float32, a head size or group size not built, or a key layout without a contiguous last dimension:
-    None, and the caller uses torch's attention."""
+    """Not float32 queries, a cache neither float32 nor bf16 or keys and values of two dtypes, a head size or group
+    size not built, or a key layout without a contiguous last dimension: None, and the caller uses torch's
+    attention."""
     q, k, v, mask = torch.randn(1, 1, 2, 64), torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64), torch.zeros(1, 4)
     assert decode_attention(q.double(), k.double(), v.double(), mask.double(), 0.1) is None
+    assert decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.1) is None
+    assert decode_attention(q, k.half(), v.half(), mask, 0.1) is None
+    assert decode_attention(q, k.bfloat16(), v, mask, 0.1) is None
     assert decode_attention(torch.randn(1, 1, 2, 48), torch.randn(1, 1, 4, 48), torch.randn(1, 1, 4, 48), mask,
                             0.1) is None
     assert decode_attention(torch.randn(1, 1, 9, 64), k, v, mask, 0.1) is None
@@ -208,7 +241,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = """
 import sys, pytest, torch
 assert str(torch.backends.cpu.get_cpu_capability()) == sys.argv[1], torch.backends.cpu.get_cpu_capability()
-chosen = "(matches or shared or no_real or builds or panel) and not avx2_cpu"
+chosen = "(matches or shared or no_real or wholly or builds or panel) and not avx2_cpu"
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", chosen]))
 """
 
