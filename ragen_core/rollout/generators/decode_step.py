@@ -25,13 +25,17 @@ running the same arithmetic on the same weights directly, with the matmuls on pa
   them), the activations cast to bf16 on the way in, as ``torch.autocast`` would. The MLP's SiLU and product
   stay bf16 between its two matmuls, as under autocast, and the o and down outputs are added to the fp32
   residual stream as they are (the sum promotes them), so those matmuls' outputs are never cast on their own;
-  the residual stream, the norms, the rotary embedding, attention and the cache stay fp32;
+  the residual stream, the norms and the rotary embedding stay fp32. Keys and values go into the cache in bf16
+  (``cache_dtype``), as autocast's projections make them: half the bytes a decode step reads and a turn copies.
+  The fused kernel reads them with fp32 queries and accumulates in fp32; torch's attention (the prefill's, and
+  the step's without the kernel) runs in bf16, as under autocast;
 - rotary embeddings come from the model's own rotary module (so any rope scaling it has is kept);
 - keys and values are appended in place into the preallocated cache of ``kv.growing_cache`` (the cache the
   prefill filled, with room for the replies), so cross-turn reuse and dropping finished rows work unchanged;
 - attention stacks the query heads that share a key/value head as its query rows (no grouped-query expansion
-  of the cache) and runs, on CPU in fp32, as the fused kernel of cpu_attention.py; without that kernel (CUDA,
-  no compiler, a head size it is not built for) as ``scaled_dot_product_attention`` with the row mask;
+  of the cache) and runs, on CPU with fp32 queries over an fp32 or bf16 cache, as the fused kernel of
+  cpu_attention.py; without that kernel (CUDA, no compiler, a head size it is not built for) as
+  ``scaled_dot_product_attention`` with the row mask;
 - cascade attention, where a batch's rows come in prompt groups on CPU (the N responses of a prompt on their
   first turn, :func:`cascade_pays`): the prompt's keys and values are kept once per group (:class:`SharedPrefix`)
   and each row attends to its group's columns and then its own in one call of the fused kernel (without it,
@@ -95,6 +99,7 @@ class SharedPrefix:
     _plan: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
     _additive: torch.Tensor | None = None
     _keys_t: list[torch.Tensor] | None = None
+    _values32: list[torch.Tensor] | None = None
 
     @property
     def width(self) -> int:
@@ -107,12 +112,20 @@ class SharedPrefix:
         return self._additive
 
     def keys_t(self, layer: int) -> torch.Tensor:
-        """[U, nkv, d, width] the layer's keys transposed, as the fused kernel scores them (cpu_attention.Shared);
-        left padding zeroed. Made for every layer at the first call (the keys do not change while decoding)."""
+        """[U, nkv, d, width] the layer's keys transposed, in fp32, as the fused kernel scores them
+        (cpu_attention.Shared); left padding zeroed. Made for every layer at the first call (the keys do not change
+        while decoding)."""
         if self._keys_t is None:
             pad = (self.mask == 0)[:, None, None, :]
-            self._keys_t = [k.transpose(2, 3).contiguous().masked_fill_(pad, 0.0) for k, _ in self.layers]
+            self._keys_t = [k.transpose(2, 3).float().contiguous().masked_fill_(pad, 0.0) for k, _ in self.layers]
         return self._keys_t[layer]
+
+    def values32(self, layer: int) -> torch.Tensor:
+        """[U, nkv, width, d] the layer's values in fp32, as the fused kernel reads shared columns (the batch's
+        own columns may be bf16). Made for every layer at the first call."""
+        if self._values32 is None:
+            self._values32 = [v.float() for _, v in self.layers]
+        return self._values32[layer]
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only the batch slots ``keep`` ([K] long), as the batch cache does."""
@@ -188,9 +201,10 @@ class LlamaDecodeStep:
 
     ``compute_dtype`` bf16 over fp32 weights runs the weight matmuls as ``torch.autocast`` would: on bf16
     copies of the weights (packed for oneDNN's bf16 kernels on a CPU that has them), the activations cast to
-    bf16 on the way in and the results back to fp32, so the residual stream, the norms, the rotary embedding,
-    attention and the cache stay fp32. On a CPU with AVX512-BF16, at SmolLM2's shapes and 64 rows, the layers' and
-    the output layer's matmuls take 20 ms a step against 36 in fp32."""
+    bf16 on the way in and the results back to fp32, so the residual stream, the norms and the rotary embedding
+    stay fp32; the cache the generator makes for it holds bf16 keys and values (``cache_dtype``). On a CPU with
+    AVX512-BF16, at SmolLM2's shapes and 64 rows, the layers' and the output layer's matmuls take 20 ms a step
+    against 36 in fp32."""
 
     def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> None:
         self.model = model
@@ -215,6 +229,9 @@ class LlamaDecodeStep:
         param = next(model.parameters())
         self.matmul_dtype = compute_dtype or param.dtype
         """The weight matmuls' dtype; activations of another dtype are cast to it and back."""
+        self.cache_dtype = self.matmul_dtype
+        """The keys' and values' dtype of the caches the generator makes for this step: the matmuls', as under
+        autocast (module docstring). A cache handed in keeps its own dtype."""
         self.packed = (param.device.type == "cpu" and param.dtype == torch.float32
                        and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
                        and (self.matmul_dtype == torch.float32
@@ -347,13 +364,14 @@ class LlamaDecodeStep:
             q = q.reshape(b, nkv, nh // nkv, d)
             if prefix is not None:
                 # one kernel call: each row's softmax over its group's shared columns, then its own
-                shared = Shared(prefix.keys_t(i), prefix.layers[i][1], shared_mask, prefix.source)
+                shared = Shared(prefix.keys_t(i), prefix.values32(i), shared_mask, prefix.source)
                 fused = decode_attention(q, keys, values, own_mask, self.scale, shared=shared)
                 a = fused[0] if fused is not None else self._cascade(q, keys, values, prefix, i, own_mask)
             elif (fused := decode_attention(q, keys, values, kernel_mask, self.scale)) is not None:
                 a = fused[0]  # [B, nkv, nh // nkv, d]: the fused kernel of cpu_attention.py
-            else:
-                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
+            else:  # in the cache's dtype (the output goes to the o projection's bf16 matmul as it is)
+                a = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=attn_mask,
+                                                   scale=self.scale)
             x = x + self._linear(a.reshape(b, nh * d), layer.o, layer.o_bias, keep=True)
             h = self._rms(x, layer.norm2)
             gate, up = self._linear(h, layer.gate_up, keep=True).chunk(2, dim=-1)
@@ -395,7 +413,7 @@ class LlamaDecodeStep:
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[..., k_end:].view(b, t, nkv, d).transpose(1, 2)  # [B, nkv, T, d]
             keys, values = kv.update(k, v)  # [B, nkv, W, d]
-            q = q.reshape(b, nkv, g * t, d)  # heads h·g .. h·g + g - 1 read key/value head h
+            q = q.reshape(b, nkv, g * t, d).to(keys.dtype)  # heads h·g .. h·g + g - 1 read key/value head h
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
             a = a.view(b, nh, t, d).transpose(1, 2).reshape(b * t, nh * d)
             x = x + self._linear(a, layer.o, layer.o_bias, keep=True).view(b, t, -1)
@@ -415,17 +433,18 @@ class LlamaDecodeStep:
         keys are read U times instead of B."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         _, nkv, g, d = q.shape
-        gather, back, n, shared_mask = prefix.plan(q.dtype)
-        groups = shared_mask.shape[0]
         pk, pv = prefix.layers[layer]
-        stacked = torch.cat([q, q.new_zeros(1, nkv, g, d)])[gather]  # [U·n, nkv, g, d]; row B: a hole's zeros
+        gather, back, n, shared_mask = prefix.plan(pk.dtype)
+        groups = shared_mask.shape[0]
+        cq = q.to(pk.dtype)  # in the cache's dtype
+        stacked = torch.cat([cq, cq.new_zeros(1, nkv, g, d)])[gather]  # [U·n, nkv, g, d]; row B: a hole's zeros
         stacked = stacked.view(groups, n, nkv, g, d).transpose(1, 2).reshape(groups, nkv, n * g, d)
         o1, l1 = flash(stacked, pk, pv, 0.0, False, attn_mask=shared_mask, scale=self.scale)
         o1 = o1.view(groups, nkv, n, g, d).transpose(1, 2).reshape(groups * n, nkv, g, d)[back]  # [B, nkv, g, d]
         l1 = l1.view(groups, nkv, n, g).transpose(1, 2).reshape(groups * n, nkv, g)[back]  # [B, nkv, g]
         own = decode_attention(q, keys, values, own_mask, self.scale)  # a row's own columns: the fused kernel
-        o2, l2 = own if own is not None else flash(q, keys, values, 0.0, False, attn_mask=own_mask[:, None, None, :],
-                                                   scale=self.scale)
+        o2, l2 = own if own is not None else flash(cq, keys, values, 0.0, False,
+                                                   attn_mask=own_mask[:, None, None, :].to(pk.dtype), scale=self.scale)
         top = torch.maximum(l1, l2)
         w1, w2 = (l1 - top).exp_(), (l2 - top).exp_()
         total = w1 + w2

@@ -23,9 +23,9 @@ A call prefills, then decodes:
 
 ``compute_dtype`` bf16 over fp32 weights (the trainer's resolved ``trainer.precision``: bf16, or ``auto`` on a
 CPU with bf16 matmul instructions) samples as the trainer's bf16 autocast computes: the fast step's prefill and
-decode run their weight matmuls in bf16 and keep the residual stream, attention and the cache in fp32;
-``model.forward`` prefills and steps run under ``torch.autocast``, and the cache they fill is converted back to the
-weights' dtype. The sampled log-probabilities stay fp32.
+decode run their weight matmuls in bf16, keep the residual stream in fp32 and the keys and values in bf16 (its
+cache and the kept caches; decode_step.py); ``model.forward`` prefills and steps run under ``torch.autocast``, and
+the cache they fill is converted back to the weights' dtype. The sampled log-probabilities stay fp32.
 
 Cross-turn cache reuse: with ``session_ids`` each episode keeps the keys/values of the
 tokens it has seen (previous prompt + generated ids, minus the last sampled id, which was never fed
@@ -149,9 +149,9 @@ class HFGenerator:
             call, so an optimizer step on it is seen. Ignored (values None) for a model without a final norm
             module to read the hidden state from (``_final_norm``).
         compute_dtype: bf16 over fp32 weights samples as the trainer's bf16 autocast computes (the session
-            passes its resolved ``trainer.precision``): prefills run under ``torch.autocast``, the fast decode
-            step's weight matmuls in bf16 (``LlamaDecodeStep``); the cache, attention and the sampled
-            log-probabilities stay fp32. None: the weights' dtype throughout.
+            passes its resolved ``trainer.precision``): the fast step's weight matmuls in bf16 and its cache
+            bf16 (``LlamaDecodeStep``), or ``model.forward`` under ``torch.autocast`` with an fp32 cache; the
+            sampled log-probabilities stay fp32. None: the weights' dtype throughout.
         """
         self.model = model
         self.device = next(model.parameters()).device
@@ -449,14 +449,16 @@ class HFGenerator:
 
     def _empty_buffers(self, rows: int, capacity: int) -> list[LayerKV]:
         """Per-layer key/value buffers [rows, H, capacity, D] of the fast step's model, uninitialised, in the
-        model's dtype (as a kept cache is)."""
+        step's cache dtype (as a kept cache is)."""
         step = cast(LlamaDecodeStep, self._step)
         weight = next(self.model.parameters())
         shape = (rows, step.n_kv, capacity, step.head_dim)
-        return [(weight.new_empty(shape), weight.new_empty(shape)) for _ in range(step.n_layers)]
+        return [(weight.new_empty(shape, dtype=step.cache_dtype), weight.new_empty(shape, dtype=step.cache_dtype))
+                for _ in range(step.n_layers)]
 
     def _empty_cache(self, rows: int, room: int) -> DynamicCache:
-        """A growing cache with no columns filled and ``room`` free, in the model's dtype (as a kept cache is)."""
+        """A growing cache with no columns filled and ``room`` free, in the step's cache dtype (as a kept cache
+        is)."""
         return adopted_cache(self._empty_buffers(rows, room), 0)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:

@@ -275,6 +275,45 @@ def test_cascade_attention_over_shared_prompts_samples_what_model_forward_sample
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused-kernel", "torch-attention"])
+def test_a_bf16_cache_over_shared_prompts_and_kept_caches_scores_as_autocast_does(kernel: bool, monkeypatch) -> None:
+    """compute_dtype bf16 over fp32 weights with the generator's bf16 cache: prompt groups on their first turn
+    (cascade attention: the fused kernel over fp32 shared columns and bf16 own ones, or without it torch's flash
+    kernel over the bf16 cache merged by log-sum-exps), then a second turn on the kept bf16 caches (the fused
+    kernel, or torch's attention in bf16). Every sampled id's log-prob is what one forward under bf16 autocast
+    gives it, within bf16 rounding."""
+    if kernel:
+        require(cpu_attention.compiler() is not None, "no C++ compiler ($CXX, else c++) to build the kernel")
+        assert cpu_attention.kernel_available()
+    else:
+        monkeypatch.setenv("RAGEN_CPU_ATTENTION", "0")
+        monkeypatch.setattr(cpu_attention, "_op", functools.cache(cpu_attention._op.__wrapped__))  # None here
+    cascades = []
+    real_step = decode_step.LlamaDecodeStep.step
+    monkeypatch.setattr(decode_step.LlamaDecodeStep, "step", lambda self, *a, **k: (
+        cascades.append(a[-1] is not None or k.get("prefix") is not None)) or real_step(self, *a, **k))
+    model, tok = tiny_random(seed=4)
+    model.eval()
+    gen = HFGenerator(model, tok, compute_dtype=torch.bfloat16)
+    groups = [[5, 9, 13, 2, 7, 30, 12, 3], [11, 4], [8, 8, 8, 1, 40]]
+    prompts = [p for p in groups for _ in range(4)]
+    sessions = [f"s{i}" for i in range(len(prompts))]
+    for turn in range(2):
+        out = gen.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0, seed=turn), sessions)
+        assert any(cascades) == (turn == 0)
+        cascades.clear()
+        kept = {t.dtype for session in gen._sessions.values() for layer in session.layers for t in layer}
+        assert kept == {torch.bfloat16}
+        for prompt, g in zip(prompts, out, strict=True):
+            ids = torch.tensor([list(prompt) + list(g.token_ids)])
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            auto = torch.log_softmax(logits, -1).gather(1, torch.tensor(g.token_ids)[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(g.logprobs), auto, rtol=0, atol=1e-2)
+        prompts = [list(p) + list(g.token_ids) + [7, 7] for p, g in zip(prompts, out, strict=True)]
+    assert gen.stats["reused_tokens"] > 0
+
+
 def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
     """``model.dtype: bfloat16`` under LoRA: frozen bf16 weights, fp32 adapters (trainer.models.fp32_masters).
     The cascade over shared prompts merges its parts by fp32 log-sum-exps; the result goes back to bf16 before
@@ -310,21 +349,25 @@ def test_a_bf16_base_with_fp32_adapters_decodes_over_shared_prompts() -> None:
     assert common >= 0.5 * sum(len(f.token_ids) for f in fast)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32], ids=["bf16-cache", "fp32-cache"])
 @pytest.mark.parametrize("packed", [True, False], ids=["onednn", "f-linear"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: bool, packed: bool) -> None:
-    """compute_dtype bf16 (a trainer under bf16 autocast): the step's weight matmuls run in bf16, its cache and
-    attention stay fp32. Its logits are model.forward's under torch.autocast within bf16 rounding, they are not
-    the fp32 step's (the matmuls did run in bf16), and every cache column it appends is fp32."""
+def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: bool, packed: bool,
+                                                                       cache_dtype: torch.dtype) -> None:
+    """compute_dtype bf16 (a trainer under bf16 autocast): the step's weight matmuls run in bf16; its cache is
+    bf16 (``cache_dtype``, the keys and values autocast makes) as the generator makes it, and an fp32 cache given
+    to it stays fp32. Its logits are model.forward's under torch.autocast within bf16 rounding, they are not the
+    fp32 step's (the matmuls did run in bf16), and every cache column it appends has the cache's dtype."""
     model, _ = tiny_random(seed=3)
     if lora:
         model = with_trained_lora(model, ["q_proj", "v_proj", "up_proj"])
     model.eval()
     step, exact = decode_step_for(model, torch.bfloat16), decode_step_for(model)
-    assert step is not None and exact is not None and step.matmul_dtype == torch.bfloat16
+    assert step is not None and exact is not None and step.matmul_dtype == step.cache_dtype == torch.bfloat16
     step.packed = step.packed and packed  # oneDNN's bf16 kernels where this CPU has them; F.linear otherwise
     prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]]
     (bf_cache, mask), (fp_cache, _), (auto_cache, _) = (_prefilled(model, prompts) for _ in range(3))
+    bf_cache = growing_cache([(k.to(cache_dtype), v.to(cache_dtype)) for k, v in cache_layers(bf_cache)], room=8)
     ids = torch.tensor([17, 3, 25])
     for _ in range(3):
         positions = mask.sum(-1, keepdim=True)
@@ -336,8 +379,8 @@ def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: boo
                          past_key_values=auto_cache, use_cache=True).logits[:, -1, :].float()
         assert fast.dtype == torch.float32
         # logits of about 1: bf16's spacing there is 2^-7 (0.0078); autocast's attention runs in bf16 where the
-        # step's stays fp32, so the two differ by a rounding or two of the output, not more
+        # step's accumulates in fp32, so the two differ by a rounding or two of the output, not more
         torch.testing.assert_close(fast, auto, rtol=0, atol=1e-2)
         assert (fast - fp32).abs().max() > 1e-3
-        assert {t.dtype for layer in cache_layers(bf_cache) for t in layer} == {torch.float32}
+        assert {t.dtype for layer in cache_layers(bf_cache) for t in layer} == {cache_dtype}
         ids = fp32.argmax(-1)

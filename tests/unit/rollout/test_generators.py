@@ -450,12 +450,16 @@ def test_streams_name_each_rows_random_stream():
         row_generators(3, 3, [1, 2])
 
 
-def test_bf16_sampling_keeps_fp32_caches_and_scores_as_autocast_does(tiny):
+@pytest.mark.parametrize(("fast", "kept_dtype"), [(True, torch.bfloat16), (False, torch.float32)],
+                         ids=["fast-step", "model-forward"])
+def test_bf16_sampling_keeps_caches_and_scores_as_autocast_does(tiny, fast, kept_dtype):
     """compute_dtype bf16 (the session's when trainer.precision resolves to bf16): over three turns with cache
     reuse, every sampled id's log-prob is what one forward under bf16 autocast gives it (within bf16 rounding),
-    the kept caches are fp32, and the sampling really ran in bf16 (it is not the fp32 forward's, to 1e-4)."""
+    and the sampling really ran in bf16 (it is not the fp32 forward's, to 1e-4). The kept caches are bf16 with
+    the fast step (keys and values as autocast makes them) and fp32 under ``model.forward``."""
     model, tokenizer = tiny
-    gen = HFGenerator(model, tokenizer, compute_dtype=torch.bfloat16)
+    gen = HFGenerator(model, tokenizer, compute_dtype=torch.bfloat16, fast_decode=fast)
+    assert (gen._step is not None) == fast
     assert gen.compute_dtype == torch.bfloat16 and HFGenerator(model, tokenizer).compute_dtype is None
     contexts, sessions = _prompts(tokenizer, TEXTS), ["a", "b", "c"]
     gaps = []
@@ -471,7 +475,7 @@ def test_bf16_sampling_keeps_fp32_caches_and_scores_as_autocast_does(tiny):
         if turn < 2:
             assert gen.stats["reused_tokens"] > 0 or turn == 0
             kept = [t.dtype for s in gen._sessions.values() for layer in s.layers for t in layer]
-            assert set(kept) == {torch.float32} and len(kept) > 0
+            assert set(kept) == {kept_dtype} and len(kept) > 0
         user = tokenizer.encode(f"<|im_end|>\nTurn {turn + 2}: State: P _ O G")
         contexts = [c + list(g.token_ids) + user[: 5 + i] for i, (c, g) in enumerate(zip(contexts, out, strict=True))]
     assert gen.stats["reused_tokens"] > 0
