@@ -106,7 +106,6 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -295,31 +294,21 @@ void weighted_values(const float* p, int64_t ss, const float* v, int64_t vw, int
   }
 }
 
-constexpr int64_t COLS_AHEAD = 64;
-// n cache rows of D bf16 values (row stride rs, in elements) as fp32 in dst [n][D]: a bf16 is the top half of
-// the fp32 with the same value, so widening is a zero-extension and a shift.
+using VecF = at::vec::Vectorized<float>;
+constexpr int64_t COLS_AHEAD = 64;  // a bf16 row's lines are prefetched this many rows ahead of their use
+
+// n cache rows of D bf16 values (row stride rs, in elements) as fp32 in dst [n][D], by ATen's vectorised load (a
+// bf16 is the top half of the fp32 with the same value: a zero-extension and a shift).
 template <int D>
-inline void widen(const uint16_t* src, int64_t rs, int64_t n, float* dst) {
+inline void widen(const c10::BFloat16* src, int64_t rs, int64_t n, float* dst) {
+  static_assert(D % VecF::size() == 0, "head size a multiple of the vector width");
   for (int64_t r = 0; r < n; ++r, src += rs, dst += D) {
     for (int i = 0; i < D; i += 32) __builtin_prefetch(src + COLS_AHEAD * rs + i, 0, 3);
-#if defined(CPU_CAPABILITY_AVX512)
-    static_assert(D % 16 == 0, "head size a multiple of 16");
-    for (int i = 0; i < D; i += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    for (int i = 0; i < D; i += VecF::size()) {
+      VecF x;
+      at::vec::load_fp32_from_bf16(src + i, x);
+      x.store(dst + i);
     }
-#elif defined(CPU_CAPABILITY_AVX2)
-    static_assert(D % 8 == 0, "head size a multiple of 8");
-    for (int i = 0; i < D; i += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-    }
-#else
-    for (int i = 0; i < D; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-      std::memcpy(dst + i, &bits, sizeof(float));
-    }
-#endif
   }
 }
 
@@ -327,7 +316,7 @@ inline void widen(const uint16_t* src, int64_t rs, int64_t n, float* dst) {
 // neither scored nor read; a bf16 cache's chunk is widened to fp32 in a buffer of COLS x D floats (in L1) first.
 constexpr int64_t COLS = 64;
 
-// The chunk of n cache rows from row w0 of x (T: float or bf16 bits), as fp32 rows and their stride.
+// The chunk of n cache rows from row w0 of x (T: float or c10::BFloat16), as fp32 rows and their stride.
 template <int D, typename T>
 inline std::pair<const float*, int64_t> chunk_rows(const T* x, int64_t xw, int64_t w0, int64_t n, float* buf) {
   if constexpr (std::is_same_v<T, float>) {
@@ -353,46 +342,40 @@ void own_scores_chunked(const float* q, const T* k, int64_t kw, const float* mas
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
 // weighted_values from bf16 values, each widened in registers once for the G query rows
 template <int G, int D>
-void weighted_values_bf16(const float* p, int64_t ss, const uint16_t* v, int64_t vw, int64_t W, float (&acc)[G][D]) {
-  constexpr int NV = D / 16;
-  __m512 a[G][NV];
+void weighted_values_bf16(const float* p, int64_t ss, const c10::BFloat16* v, int64_t vw, int64_t W,
+                          float (&acc)[G][D]) {
+  constexpr int L = VecF::size(), NV = D / L;
+  VecF a[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) a[g][i] = _mm512_loadu_ps(acc[g] + 16 * i);
+    for (int i = 0; i < NV; ++i) a[g][i] = VecF::loadu(acc[g] + L * i);
   for (int64_t w = 0; w < W; ++w) {
-    const uint16_t* vr = v + w * vw;
+    const c10::BFloat16* vr = v + w * vw;
     __builtin_prefetch(vr + COLS_AHEAD * vw, 0, 3);
-    __m512 x[NV];
-    for (int i = 0; i < NV; ++i)
-      x[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * i))), 16));
+    VecF x[NV];
+    for (int i = 0; i < NV; ++i) at::vec::load_fp32_from_bf16(vr + L * i, x[i]);
     for (int g = 0; g < G; ++g) {
-      const __m512 pw = _mm512_set1_ps(p[g * ss + w]);
-      for (int i = 0; i < NV; ++i) a[g][i] = _mm512_fmadd_ps(pw, x[i], a[g][i]);
+      const VecF pw(p[g * ss + w]);
+      for (int i = 0; i < NV; ++i) a[g][i] = at::vec::fmadd(pw, x[i], a[g][i]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[g] + 16 * i, a[g][i]);
+    for (int i = 0; i < NV; ++i) a[g][i].store(acc[g] + L * i);
 }
-#endif
 
 // weighted_values over a row's W own columns, chunk by chunk; all-masked chunks (probability 0) are skipped.
 template <int G, int D, typename T>
 void own_values_chunked(const float* p, int64_t ss, const T* v, int64_t vw, const float* mask, int64_t W,
-                        float (&acc)[G][D], float* buf) {
+                        float (&acc)[G][D]) {
   for (int64_t w0 = 0; w0 < W; w0 += COLS) {
     const int64_t n = std::min(COLS, W - w0);
     if (all_masked(mask + w0, n)) continue;
-#if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (!std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float>) {
+      weighted_values<G, D>(p + w0, ss, v + w0 * vw, vw, n, acc);
+    } else {
       weighted_values_bf16<G, D>(p + w0, ss, v + w0 * vw, vw, n, acc);
-      continue;
     }
-#endif
-    const auto [vc, vcw] = chunk_rows<D>(v, vw, w0, n, buf);
-    weighted_values<G, D>(p + w0, ss, vc, vcw, n, acc);
   }
 }
 
@@ -415,7 +398,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
   auto out = at::empty({B, H, G, D}, q.options());
   auto lse = at::empty({B, H, G}, q.options());
   const float* qp = qc.data_ptr<float>();
-  const T* kp = static_cast<const T*>(k.const_data_ptr());  // fp32, or bf16's bits
+  const T* kp = static_cast<const T*>(k.const_data_ptr());  // float or c10::BFloat16
   const T* vp = static_cast<const T*>(v.const_data_ptr());
   const float* mp = mask.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -459,7 +442,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < D; ++i) acc[g][i] = 0.f;
       if (P > 0) weighted_values<G, D>(s, N, shared.v + u * shared.vb + h * shared.vh, shared.vw, P, acc);
-      own_values_chunked<G, D>(s + P, N, vp + b * vb + h * vh, vw, mp + b * mb, W, acc, rows.data());
+      own_values_chunked<G, D>(s + P, N, vp + b * vb + h * vh, vw, mp + b * mb, W, acc);
       float* o = op + bh * G * D;
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < D; ++i) o[g * D + i] = acc[g][i] * inv[g];
@@ -530,11 +513,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   }
   const bool bf16 = k.scalar_type() == at::kBFloat16;
   switch (D) {
-    case 32: return bf16 ? by_group<32, uint16_t>(q, k, v, mask, scale, shared)
+    case 32: return bf16 ? by_group<32, c10::BFloat16>(q, k, v, mask, scale, shared)
                          : by_group<32, float>(q, k, v, mask, scale, shared);
-    case 64: return bf16 ? by_group<64, uint16_t>(q, k, v, mask, scale, shared)
+    case 64: return bf16 ? by_group<64, c10::BFloat16>(q, k, v, mask, scale, shared)
                          : by_group<64, float>(q, k, v, mask, scale, shared);
-    case 128: return bf16 ? by_group<128, uint16_t>(q, k, v, mask, scale, shared)
+    case 128: return bf16 ? by_group<128, c10::BFloat16>(q, k, v, mask, scale, shared)
                           : by_group<128, float>(q, k, v, mask, scale, shared);
   }
   TORCH_CHECK(false, "decode_attention: head size 32, 64 or 128, got ", D);
