@@ -268,33 +268,59 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[to
     """(log softmax(logits)[label], entropy of softmax(logits)) per position, sharing one exp pass.
 
     logits: [B, T, V], labels: [B, T] long -> ([B, T], [B, T]), both differentiable; equal to
-    (:func:`logprobs_from_logits`, :func:`entropy_from_logits`). With p = softmax(l),
-    lse = logsumexp(l) and E = Σ p·l: log-prob = l[label] − lse and H = lse − E. The exponential over
-    the vocabulary is the costly part of the output layer's loss for a 49k vocabulary, and it is taken
-    once instead of twice.
+    (:func:`logprobs_from_logits`, :func:`entropy_from_logits`) on the logits in float32 (or in their own
+    dtype when that is float32 or wider). With p = softmax(l), lse = logsumexp(l) and E = Σ p·l:
+    log-prob = l[label] − lse and H = lse − E. The exponential over the vocabulary is the costly part of the
+    output layer's loss for a 49k vocabulary, and it is taken once instead of twice.
 
     The gradient is written out (:class:`_LogprobsEntropy`): ∂ log-prob/∂l_j = 1[j = label] − p_j and
-    ∂H/∂l_j = −p_j (l_j − E), so the backward makes one [B, T, V] tensor where autograd's chain of
-    sub, exp, mul, sum and gather makes six. On a CPU every fresh vocabulary-sized tensor larger than
-    glibc's mmap threshold (32 MB at most) is new pages, and their first-touch faults cost about as
-    much as the arithmetic (measured in the demo's update: 80 ms to multiply 8 x 40 x 49k floats).
+    ∂H/∂l_j = −p_j (l_j − E). Vocabulary-sized work makes as few fresh tensors as it can: on a CPU every fresh
+    tensor larger than glibc's mmap threshold (32 MB at most) is new pages, and their first touch costs far more
+    than the arithmetic (measured for 896 positions of a 49k vocabulary, 176 MB in fp32: a subtraction into a
+    fresh tensor 60-240 ms, in place 7 ms). So the forward makes one fresh tensor, p, takes Σ p·l a few positions
+    at a time, and keeps bf16 logits in bf16 for the backward (their fp32 values are the same numbers); the
+    backward makes only the gradient, in the logits' dtype, working in float32 a few positions at a time.
     """
     out: tuple[torch.Tensor, torch.Tensor] = _LogprobsEntropy.apply(logits, labels)
     return out
 
 
+_PIECE_BYTES = 8 << 20
+"""The float32 working copy of a few positions' logits (:class:`_LogprobsEntropy`) stays under this size, well
+under glibc's mmap threshold, so the heap reuses its memory from piece to piece."""
+
+
+def _pieces(logits: torch.Tensor) -> list[slice]:
+    """Slices of the flattened positions of logits [..., V], each :data:`_PIECE_BYTES` of float32 at most."""
+    n, vocab = logits.numel() // max(logits.shape[-1], 1), max(logits.shape[-1], 1)
+    step = max(1, _PIECE_BYTES // (4 * vocab))
+    return [slice(i, min(i + step, n)) for i in range(0, max(n, 1), step)]  # one empty slice for no positions
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for narrower floats (bf16, fp16), else the dtype itself (fp32, fp64)."""
+    return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
+
+
 class _LogprobsEntropy(torch.autograd.Function):
-    """:func:`logprobs_and_entropy` with its gradient written out (see there). Saves softmax(l) and l."""
+    """:func:`logprobs_and_entropy` with its gradient written out (see there). Saves softmax(l) (float32 or
+    wider) and l (in its own dtype)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top = logits.amax(dim=-1, keepdim=True)  # [B, T, 1] a shift against overflow
-        p = (logits - top).exp_()  # [B, T, V] the one vocabulary-sized tensor kept, made softmax in place
+        work = _work_dtype(logits.dtype)
+        top = logits.amax(dim=-1, keepdim=True).to(work)  # [B, T, 1] a shift against overflow (exact in bf16)
+        p = logits.to(work, copy=True)  # [B, T, V] the one fresh vocabulary-sized tensor, made softmax in place
+        p.sub_(top).exp_()
         total = p.sum(dim=-1, keepdim=True)  # [B, T, 1]
         p.div_(total)
         lse = (top + total.log()).squeeze(-1)  # [B, T]
-        expected = (p * logits).sum(dim=-1)  # [B, T] E = Σ p·l (a transient product)
-        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [B, T]
+        vocab = logits.shape[-1]
+        flat_p, flat_l = p.view(-1, vocab), logits.reshape(-1, vocab)
+        # E = Σ p·l a few positions at a time: the product is a small transient (a batched dot product would make
+        # none, but it sums in a longer chain: 20x the rounding error over a 49k vocabulary)
+        expected = torch.cat([(flat_p[s] * flat_l[s].to(work)).sum(dim=-1) for s in _pieces(logits)]).view(lse.shape)
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(work)  # [B, T]
         ctx.save_for_backward(p, logits, labels, expected)
         return picked - lse, lse - expected
 
@@ -302,9 +328,16 @@ class _LogprobsEntropy(torch.autograd.Function):
     def backward(ctx: Any, g_logprob: torch.Tensor, g_entropy: torch.Tensor) -> tuple[torch.Tensor, None]:
         p, logits, labels, expected = ctx.saved_tensors
         # ∂/∂l_j = g_lp (1[j = label] − p_j) − g_H p_j (l_j − E) = −p_j (g_lp + g_H (l_j − E)) + g_lp 1[j = label]
-        grad = logits - expected.unsqueeze(-1)  # [B, T, V] the one new vocabulary-sized tensor
-        grad.mul_(g_entropy.unsqueeze(-1)).add_(g_logprob.unsqueeze(-1)).mul_(p).neg_()
-        grad.scatter_add_(-1, labels.unsqueeze(-1), g_logprob.unsqueeze(-1))
+        vocab = logits.shape[-1]
+        grad = torch.empty_like(logits)  # [B, T, V] the one new vocabulary-sized tensor, in the logits' dtype
+        out, flat_l, flat_p = grad.view(-1, vocab), logits.reshape(-1, vocab), p.view(-1, vocab)
+        e, lab = expected.reshape(-1, 1), labels.reshape(-1, 1)
+        g_h, g_lp = g_entropy.reshape(-1, 1).to(p.dtype), g_logprob.reshape(-1, 1).to(p.dtype)
+        for s in _pieces(logits):
+            piece = flat_l[s].to(p.dtype, copy=True)  # [n, V] float32 working copy of a few positions
+            piece.sub_(e[s]).mul_(g_h[s]).add_(g_lp[s]).mul_(flat_p[s]).neg_()
+            piece.scatter_add_(-1, lab[s], g_lp[s])
+            out[s].copy_(piece)
         return grad, None
 
 

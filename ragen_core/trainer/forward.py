@@ -436,11 +436,12 @@ def _chunk_logprobs_entropy(
     # as one [B·C, H] matrix: a [B, C, H] slice of the hidden states is not contiguous, and a linear layer on
     # such a 3-D input that requires grad runs as a batched matmul against the expanded weight, forward and
     # backward (measured at the demo's 8 × 40 positions: 178 + 200 ms against 135 + 125 as one matmul)
-    logits = head(hidden.reshape(b * c, width)).view(b, c, -1).float()  # [B, C, V], the only logits tensor alive
+    logits = head(hidden.reshape(b * c, width)).view(b, c, -1)  # [B, C, V], the only logits tensor alive
     if inv_temperature != 1.0:  # at 1 (training rollouts' default) not another vocabulary-sized tensor
-        logits = logits * inv_temperature
-    if entropy_grad:
-        return losses.logprobs_and_entropy(logits, labels)  # one exp pass over the vocabulary for both
+        logits = logits.float() * inv_temperature
+    if entropy_grad:  # one exp pass over the vocabulary for both, in float32 (bf16 logits kept as they are)
+        return losses.logprobs_and_entropy(logits, labels)
+    logits = logits.float()
     logprobs = losses.logprobs_from_logits(logits, labels)  # [B, C]
     return logprobs, losses.entropy_from_logits(logits.detach())  # [B, C], a diagnostic only
 

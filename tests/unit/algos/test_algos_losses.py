@@ -216,6 +216,31 @@ def test_logprobs_and_entropy_golden_and_equal_to_the_separate_functions() -> No
     assert torch.equal(logits.detach(), before)  # not mutated
 
 
+@pytest.mark.parametrize("piece_bytes", [4 * 11 * 3, 1 << 20])  # pieces of 3 positions, or one piece
+def test_logprobs_and_entropy_of_bf16_logits_work_in_fp32_and_return_a_bf16_gradient(
+        piece_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(losses, "_PIECE_BYTES", piece_bytes)
+    g = torch.Generator().manual_seed(4)
+    logits16 = (3 * torch.randn(2, 5, 11, generator=g)).bfloat16().requires_grad_()
+    logits32 = logits16.detach().float().requires_grad_()  # the same numbers in fp32
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    w_lp, w_ent = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+    lp16, ent16 = losses.logprobs_and_entropy(logits16, labels)
+    lp32, ent32 = losses.logprobs_and_entropy(logits32, labels)
+    assert lp16.dtype == ent16.dtype == torch.float32
+    torch.testing.assert_close(lp16, lp32, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent16, ent32, rtol=0, atol=1e-6)
+    ((lp16 * w_lp).sum() + (ent16 * w_ent).sum()).backward()
+    ((lp32 * w_lp).sum() + (ent32 * w_ent).sum()).backward()
+    assert logits16.grad is not None and logits32.grad is not None
+    assert logits16.grad.dtype == torch.bfloat16
+    # the fp32 gradient rounded to bf16, as a cast back to the logits' dtype would give it
+    torch.testing.assert_close(logits16.grad.float(), logits32.grad.bfloat16().float(), rtol=1e-2, atol=1e-6)
+    empty = torch.zeros(1, 0, 11, dtype=torch.bfloat16, requires_grad=True)  # no positions
+    lp, ent = losses.logprobs_and_entropy(empty, torch.zeros(1, 0, dtype=torch.long))
+    assert lp.shape == ent.shape == (1, 0)
+
+
 def test_no_argument_mutated() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 4, 5, generator=g)
