@@ -286,14 +286,17 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[to
 
 
 _PIECE_BYTES = 8 << 20
-"""The float32 working copy of a few positions' logits (:class:`_LogprobsEntropy`) stays under this size, well
-under glibc's mmap threshold, so the heap reuses its memory from piece to piece."""
+"""On a CPU the float32 working copy of a few positions' logits (:class:`_LogprobsEntropy`) stays under this size,
+well under glibc's mmap threshold, so the heap reuses its memory from piece to piece."""
 
 
 def _pieces(logits: torch.Tensor) -> list[slice]:
-    """Slices of the flattened positions of logits [..., V], each :data:`_PIECE_BYTES` of float32 at most."""
+    """Slices of the flattened positions of logits [..., V], each :data:`_PIECE_BYTES` of float32 at most on a CPU;
+    one slice elsewhere. A GPU's caching allocator reuses its memory anyway, and there each piece costs kernel
+    launches: on an H200, 2,048 positions of bf16 logits over a 151,936-id vocabulary took 31.6 ms forward and
+    backward in 8 MB pieces against 11.6 ms in one (bench/cuda_check.py)."""
     n, vocab = logits.numel() // max(logits.shape[-1], 1), max(logits.shape[-1], 1)
-    step = max(1, _PIECE_BYTES // (4 * vocab))
+    step = max(1, _PIECE_BYTES // (4 * vocab)) if logits.device.type == "cpu" else max(n, 1)
     return [slice(i, min(i + step, n)) for i in range(0, max(n, 1), step)]  # one empty slice for no positions
 
 

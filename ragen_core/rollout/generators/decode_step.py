@@ -415,7 +415,8 @@ class LlamaDecodeStep:
             keys, values = kv.update(k, v)  # [B, nkv, W, d]
             q = q.reshape(b, nkv, g * t, d).to(keys.dtype)  # heads h·g .. h·g + g - 1 read key/value head h
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
-            a = a.view(b, nh, t, d).transpose(1, 2).reshape(b * t, nh * d)
+            # reshape: CUDA's kernels may return [B, nkv, g·T, d] in another memory layout than a CPU's
+            a = a.reshape(b, nh, t, d).transpose(1, 2).reshape(b * t, nh * d)
             x = x + self._linear(a, layer.o, layer.o_bias, keep=True).view(b, t, -1)
             h = self._rms(x, layer.norm2).view(b * t, -1)
             gate, up = self._linear(h, layer.gate_up, keep=True).chunk(2, dim=-1)

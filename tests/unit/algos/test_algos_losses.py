@@ -241,6 +241,15 @@ def test_logprobs_and_entropy_of_bf16_logits_work_in_fp32_and_return_a_bf16_grad
     assert lp.shape == ent.shape == (1, 0)
 
 
+def test_logprobs_and_entropy_work_in_pieces_on_a_cpu_and_in_one_piece_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(losses, "_PIECE_BYTES", 4 * 11 * 3)  # 3 positions of an 11-id vocabulary a piece
+    assert losses._pieces(torch.zeros(2, 5, 11)) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]
+    # a GPU's caching allocator reuses memory without the pieces, and each piece is kernel launches there
+    assert losses._pieces(torch.zeros(2, 5, 11, device="meta")) == [slice(0, 10)]
+    assert losses._pieces(torch.zeros(1, 0, 11, device="meta")) == [slice(0, 0)]  # no positions: one empty slice
+
+
 def test_no_argument_mutated() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 4, 5, generator=g)

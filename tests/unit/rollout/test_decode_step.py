@@ -131,6 +131,38 @@ def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(l
             torch.testing.assert_close(fv[b][:, real[b]], sv[b][:, real[b]], rtol=1e-5, atol=1e-5)
 
 
+def test_a_prefill_takes_attention_output_in_a_gpus_memory_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's attention kernels may return [B, heads, T, d] laid out as [B, T, heads, d]; with several key/value
+    heads the prefill must still give model.forward's logits (on an H200 it once raised on the view instead)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def gpu_layout(*args: object, **kwargs: object) -> torch.Tensor:
+        out = original(*args, **kwargs)  # type: ignore[arg-type]
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, heads innermost but one
+
+    step = decode_step_for(model)
+    assert step is not None
+    kept, suffixes = [[5, 9, 13, 2, 7, 30], [11, 4]], [[17, 3, 25], [40, 41, 42]]
+    fast_cache, kept_mask = _prefilled(model, kept)
+    slow_cache, _ = _prefilled(model, kept)
+    ids = torch.tensor(suffixes)
+    mask = torch.cat([kept_mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
+    positions = (mask.cumsum(-1) - 1)[:, kept_mask.shape[1]:]
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
+    fast = step.prefill(ids, positions, mask, fast_cache)
+    with torch.inference_mode():
+        slow = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=slow_cache,
+                     use_cache=True).logits[:, -1, :]
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_generations_with_and_without_the_fast_step_agree(lora: bool, matmuls: str) -> None:
     model, tok = tiny_random(seed=1)
