@@ -1,6 +1,6 @@
 """CUDA check: ragen_core's own torch code paths on a device, with the tiny in-process model (no hub, no network).
 
-Four checks, each on ``--device`` (default cuda; ``--device cpu`` runs the same code here):
+Five checks, each on ``--device`` (default cuda; ``--device cpu`` runs the same code here):
 
   generator  the hf generator (``make_generator("hf", ...)``) over 3 turns with session ids (cross-turn cache
              reuse, early stops, batch shrinking, prompt groups prefilled once, temperature and top-p
@@ -15,6 +15,10 @@ Four checks, each on ``--device`` (default cuda; ``--device cpu`` runs the same 
              experiments/smoke.yaml with model.device=<device>, rollout.backend=hf, trainer.backend=torch for
              ``--iterations`` iterations, in a temporary RAGEN_DATA_DIR: it completes, the models are on the
              device, losses, grad norms and entropies are finite; seconds per iteration.
+  deepspeed  the session check with trainer.backend=deepspeed at ZeRO stages 0-3 in this one process (NCCL on
+             CUDA, gloo on a CPU), each against the torch trainer's session: it passes that check, and its first
+             iteration's gradient norms equal the torch trainer's within 1e-3 relative. Needs deepspeed (not in
+             the default list: ``--only ...,deepspeed``).
   bf16       the bf16 autocast paths: the trainer's fused LoRA layers (trainer/lora_fused.py) against peft's own
              forward under autocast on the device, each output and gradient at most 2x as far from fp32 as
              peft's (or 2e-2 of its largest entry), the fused path taken in every layer;
@@ -23,7 +27,7 @@ Four checks, each on ``--device`` (default cuda; ``--device cpu`` runs the same 
              vocabulary, as it runs on the device, in a CPU's pieces and as the plain fp32 path (reported, not
              judged).
 
-Run:  python bench/cuda_check.py [--device cuda] [--iterations 3] [--only generator,forward,session,bf16]
+Run:  python bench/cuda_check.py [--device cuda] [--iterations 3] [--only generator,forward,session,bf16,deepspeed]
 The last line printed is one JSON object: {"pass": bool, "env": {...}, "checks": {name: {"pass": bool, ...}}};
 the exit status is 0 when every check passed.
 """
@@ -301,13 +305,14 @@ WATCHED = ("actor/pg_loss", "critic/value_loss", "actor/entropy", "actor/grad_no
 """Per-iteration values reported."""
 
 
-def check_session(device: torch.device, iterations: int) -> Result:
+def check_session(device: torch.device, iterations: int, *extra: str) -> Result:
+    """A plain training session of experiments/smoke.yaml on the device (torch trainer, or ``extra`` overrides)."""
     from ragen_core import session
     from ragen_core.config import load_experiment
     from ragen_core.tracking import NullLogger
 
     overrides = [f"model.device={device.type}", "rollout.backend=hf", "trainer.backend=torch",
-                 f"trainer.iterations={iterations}"]
+                 f"trainer.iterations={iterations}", *extra]
     cfg = load_experiment(ROOT / "experiments" / "smoke.yaml", overrides)
     lines: list[str] = []
 
@@ -346,6 +351,39 @@ def check_session(device: torch.device, iterations: int) -> Result:
     out["pass"] = bool((len(rows) == iterations or sess.stop_reason) and rows and not bad
                        and actor_device.type == device.type and len(watched["actor/pg_loss"]) == len(rows)
                        and final_saved and result.iterations == len(rows))
+    return out
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+"""The DeepSpeed ZeRO stages the deepspeed check trains with."""
+
+
+def check_deepspeed(device: torch.device, iterations: int) -> Result:
+    """The session check with ``trainer.backend=deepspeed`` at each ZeRO stage (one process: a one-rank group,
+    NCCL on CUDA, gloo on a CPU), against the torch trainer's session: each passes the session check, and the
+    first iteration's gradient norms (same seed, same weights, same rollout, before any step) are the torch
+    trainer's within 1e-3 relative."""
+    out: Result = {"torch": check_session(device, iterations)}
+    reference = out["torch"]["metrics"]
+    ok = out["torch"]["pass"]
+    for stage in ZERO_STAGES:
+        name = f"zero{stage}"
+        try:
+            res = check_session(device, iterations, "trainer.backend=deepspeed", f"trainer.zero_stage={stage}")
+        except Exception as exc:  # noqa: BLE001  # one stage's failure must not hide the others'
+            traceback.print_exc()
+            res = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
+        if res.get("metrics"):
+            diffs = {}
+            for key in ("actor/grad_norm", "critic/grad_norm"):
+                want, got = reference.get(key) or [], res["metrics"].get(key) or []
+                if want and got and isinstance(want[0], float) and isinstance(got[0], float):
+                    diffs[key] = abs(got[0] - want[0]) / max(abs(want[0]), 1e-12)
+            res["first_grad_norm_rel_diff"] = diffs
+            res["pass"] = bool(res["pass"] and diffs and all(v <= 1e-3 for v in diffs.values()))
+        out[name] = res
+        ok = ok and res["pass"]
+    out["pass"] = ok
     return out
 
 
@@ -516,6 +554,7 @@ def main() -> int:
         "forward": lambda: check_forward(device),
         "session": lambda: check_session(device, args.iterations),
         "bf16": lambda: check_bf16(device),
+        "deepspeed": lambda: check_deepspeed(device, args.iterations),
     }
     wanted = [c.strip() for c in args.only.split(",") if c.strip()]
     unknown = sorted(set(wanted) - set(checks))

@@ -29,3 +29,15 @@ def test_cuda_check_passes_on_the_cpu() -> None:
     bf16 = result["checks"]["bf16"]
     assert bf16["fused_lora"]["fused_calls"] == bf16["fused_lora"]["lora_layers"] > 0
     assert bf16["logprobs_entropy"]["grad_max_rel_diff"] <= 1e-2
+
+
+def test_cuda_check_deepspeed_passes_on_the_cpu() -> None:
+    """Its deepspeed check: a one-rank group over gloo, ZeRO stages 0-3 against the torch trainer."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "deepspeed", "--iterations", "1"],
+                         capture_output=True, text=True, check=False, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    check = json.loads(out.stdout.strip().splitlines()[-1])["checks"]["deepspeed"]
+    assert check["pass"] is True
+    assert {f"zero{stage}" for stage in (0, 1, 2, 3)} <= set(check)
+    for stage in (0, 1, 2, 3):
+        assert check[f"zero{stage}"]["first_grad_norm_rel_diff"]["actor/grad_norm"] <= 1e-3
