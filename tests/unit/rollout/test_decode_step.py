@@ -133,7 +133,7 @@ def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(l
 
 def test_a_prefill_takes_attention_output_in_a_gpus_memory_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's attention kernels may return [B, heads, T, d] laid out as [B, T, heads, d]; with several key/value
-    heads the prefill must still give model.forward's logits (on an H200 it once raised on the view instead)."""
+    heads the prefill must still give model.forward's logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
