@@ -18,8 +18,8 @@ the same order, each with its own Session, and end where one process ends (:mod:
 
 - rollouts and evaluations: each rank plays its share of the prompt groups (the episodes keep their global
   group index, hence their sampling streams) and the ranks gather the trajectories in group order, so every
-  rank holds the one-process RolloutBatch; under ZeRO-3 every rank plays them all instead (the partitioned
-  actor gathers each layer from all ranks as it runs: the ranks must make the same forwards);
+  rank holds the one-process RolloutBatch (under ZeRO-3 the hf generator samples inside
+  ``TrainState.generation_weights``: the actor gathered whole once, so each rank's forwards are its own);
 - diagnose, filter and update run on every rank on that same full batch (the DeepSpeed engine gives each rank
   its rows of every mini-batch and sums the gradients), so the kept groups and the weights are one process's;
 - rank 0 alone (``sess.main``) writes the folder, config, history, shards, checkpoints and final model and
@@ -310,7 +310,7 @@ def collect_rollouts(sess: Session) -> RolloutBatch:
                             model_max_length=sess.model_max_length, progress=_progress(sess, "rollout"))
 
     split = splits_rollouts(sess)
-    with sess.memory.step("rollout") as peak:
+    with sess.memory.step("rollout") as peak, generation_weights(sess):
         trajs = distributed.split_map(n_groups, play, split)  # every rank: all groups, in group order
     seconds = time.perf_counter() - started
     state.env_seed_counter += n_groups
@@ -327,15 +327,21 @@ def collect_rollouts(sess: Session) -> RolloutBatch:
 
 
 def splits_rollouts(sess: Session) -> bool:
-    """Whether the ranks share out the episodes of rollouts and evaluations (then gather), or each plays them all.
+    """Whether the ranks share out the episodes of rollouts and evaluations (then gather them): with more than one.
 
-    Shared unless the hf generator samples from a ZeRO-3 actor: each of its layers gathers its weights from
-    every rank as it runs (a collective), so the ranks must make the same forwards; they then play the same
-    episodes with the same seeds and get the same tokens.
+    Under ZeRO-3 too: the hf generator samples inside :func:`generation_weights`, so no forward of it is a
+    collective and the ranks need not make the same ones.
     """
-    cfg = sess.cfg
-    partitioned = cfg.trainer.backend == "deepspeed" and cfg.trainer.zero_stage == 3 and cfg.rollout.backend == "hf"
-    return distributed.world_size() > 1 and not partitioned
+    return distributed.world_size() > 1
+
+
+def generation_weights(sess: Session) -> contextlib.AbstractContextManager[None]:
+    """The block in which the hf generator samples from the actor itself (rollouts, evaluations): on its whole
+    weights, gathered once under ZeRO-3 (:meth:`TrainState.generation_weights`; every rank enters it). A vLLM
+    engine holds its own copy of the weights: nothing to do."""
+    if sess.cfg.rollout.backend != "hf":
+        return contextlib.nullcontext()
+    return sess.state.generation_weights()
 
 
 def train_seeds(counter: int, n: int) -> list[int]:
@@ -398,8 +404,8 @@ def update_policy(sess: Session, selection: Selection) -> UpdateStats:
         if asleep:
             sess.generator.wake()  # type: ignore[attr-defined]
     stats.metrics.update(peak)
-    # The hf generator samples from the actor itself (ZeRO-3 gathers per layer as it runs); a vLLM one
-    # copies the weights, so they are gathered whole for it.
+    # The hf generator samples from the actor itself (inside generation_weights); a vLLM one copies the
+    # weights, so they are gathered whole for it.
     gather = sess.state.full_weights() if sess.cfg.rollout.backend != "hf" else contextlib.nullcontext()
     with gather:
         sess.generator.update_weights(sess.state.models.actor)
@@ -434,7 +440,7 @@ def diagnose(sess: Session, rollouts: RolloutBatch) -> dict[str, float]:
     rng = np.random.default_rng([sess.cfg.trainer.seed, rollouts.iteration, 7])
     picked = [trajs[i] for i in sorted(rng.permutation(len(trajs))[: d.collapse_samples])]
     model = sess.state.models.actor
-    with sess.memory.step("diagnose") as peak:
+    with sess.memory.step("diagnose") as peak, sess.state.generation_weights():
         scopes = {"first_turn": measure_collapse(model, sess.tokenizer, picked)}
         if d.collapse_later_samples and any(len(t.turns) > 1 for t in trajs):
             scopes["later_turns"] = measure_later_turns(model, sess.tokenizer, trajs, d.collapse_later_samples, rng)
@@ -454,7 +460,7 @@ def evaluate_policy(sess: Session, seeds: int | None = None) -> dict[str, float]
     """Held-out seeds at the evaluation temperature on every eval env (SPEC §5)."""
     ev = sess.cfg.eval
     started = time.perf_counter()
-    with sess.memory.step("eval") as peak:
+    with sess.memory.step("eval") as peak, generation_weights(sess):
         result = evaluate(sess.cfg.eval_envs, sess.generator, sess.tokenizer, sess.cfg.rollout,
                           heldout_seeds(seeds or ev.seeds, ev.seed_start), ev.samples, temperature=ev.temperature,
                           sampling_seed=sess.cfg.trainer.seed, model_max_length=sess.model_max_length,

@@ -51,8 +51,11 @@ How this engine keeps the torch backend's math (``TorchEngine``):
 - ZeRO-3 partitions every weight, so code that reads or writes weights outside
   a forward (checkpoints, ``save_pretrained``, a vLLM sync) does it inside
   :meth:`DeepSpeedEngine.full_weights` (``deepspeed.zero.GatheredParameters``).
-  Rollouts and evaluation call the actor directly; ZeRO-3's per-layer hooks
-  gather its weights there too.
+  Rollouts, evaluation and the collapse diagnostics call the actor directly,
+  inside :meth:`DeepSpeedEngine.generation_weights`: ZeRO-3 gathers every
+  weight once and its per-layer hooks are off, instead of gathering and
+  releasing each layer at every token (DeepSpeed's
+  ``unwrap_model_for_generation``, as TRL samples under ZeRO-3).
 
 State dicts have TorchEngine's layout (torch AdamW ``state_dict()`` of the
 unflattened parameters, in parameter-group order) at every stage, so
@@ -68,7 +71,7 @@ import contextlib
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -279,6 +282,33 @@ class DeepSpeedEngine:
         from deepspeed.runtime.zero import GatheredParameters
 
         return GatheredParameters(list(self.engine.module.parameters()), modifier_rank=0 if modify else None)
+
+    def generation_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Under ZeRO-3, every parameter gathered whole once for the block (a collective: every rank enters it)
+        and the per-layer gathering hooks off, so that the actor's own forwards run as on one process: no gather
+        and release of every layer at every generated token, and no collective, so the ranks may run different
+        forwards. Peak memory is the whole model's, as :meth:`full_weights`'s. Other stages: nothing to do."""
+        if self.zero_stage < 3:
+            return contextlib.nullcontext()
+        return self._gathered_without_hooks()
+
+    @contextlib.contextmanager
+    def _gathered_without_hooks(self) -> Iterator[None]:
+        # lazily: deepspeed is the optional [gpu] extra and slow to import
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        try:
+            with unwrap_model_for_generation(self.engine):
+                yield
+        finally:
+            # The hooks are registered again on exit. ZeRO-3's record of the order in which the last training
+            # forward fetched the layers is stale then, and DeepSpeed releases without PR 8043 (0.19.0 has not
+            # got it, 0.19.8 has) keep it: the next training forward follows it and fails (IndexError in
+            # record_parameters). Cleared, that forward records a fresh one.
+            optimizer = self.engine.optimizer
+            coordinator = getattr(optimizer, "parameter_offload", optimizer).get_param_coordinator()
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
 
     def backward(self, loss: torch.Tensor) -> None:
         # × W: DeepSpeed averages the ranks' gradients, but each rank's loss is already its share of the sum.

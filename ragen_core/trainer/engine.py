@@ -44,6 +44,10 @@ class Engine(Protocol):
     def full_weights(self, modify: bool = False) -> contextlib.AbstractContextManager[None]:
         """Inside, the modules' parameters hold their whole values (``modify``: writes to them are kept)."""
 
+    def generation_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the modules' own forwards (the hf generator's, the collapse diagnostics') run on whole weights
+        and gather nothing per layer; no gradients and no optimizer step inside."""
+
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of ``loss`` (a micro-batch's share of the mini-batch loss)."""
 
@@ -107,6 +111,9 @@ class TorchEngine:
 
     def full_weights(self, modify: bool = False) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # the parameters always are the whole weights
+
+    def generation_weights(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -55,6 +55,12 @@ class TrainState:
                     stack.enter_context(engine.full_weights(modify))
             yield
 
+    def generation_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the actor's own forwards (the hf generator's, the collapse diagnostics') run on its whole
+        weights with nothing gathered per layer (:meth:`Engine.generation_weights`): under ZeRO-3 a collective
+        on entry, so every rank enters it; a no-op otherwise."""
+        return self.actor_engine.generation_weights()
+
 
 def seed_everything(seed: int) -> None:
     """Seed python ``random``, numpy's global RNG and torch (CPU and every CUDA device)."""

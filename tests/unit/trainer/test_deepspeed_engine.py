@@ -202,10 +202,20 @@ def test_two_process_update_equals_one_process(tmp_path: Path, stage: int) -> No
 
 
 @pytest.mark.usefixtures("deepspeed_installed")
-def test_zero3_rollouts_see_the_trained_weights_and_leave_them_partitioned() -> None:
-    # Rollouts call the actor directly (not through the engine): ZeRO-3's per-layer hooks gather each
-    # layer's weights for its forward and free them after. Same seed, same tokens as the torch backend,
-    # before and after an update.
+def test_zero3_rollouts_see_the_trained_weights_and_leave_them_partitioned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rollouts call the actor directly (not through the engine), inside generation_weights: ZeRO-3 gathers
+    # every weight once there and its per-layer hooks fetch nothing. Same seed, same tokens as the torch
+    # backend, before and after an update, and the update after a generation trains as the torch one does.
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    fetched: list[int] = []
+    fetch = PartitionedParameterCoordinator.fetch_sub_module
+
+    def counted(self: PartitionedParameterCoordinator, *args: object, **kwargs: object) -> object:
+        fetched.append(1)
+        return fetch(self, *args, **kwargs)
+
+    monkeypatch.setattr(PartitionedParameterCoordinator, "fetch_sub_module", counted)
     tokenizer = load_tokenizer(TINY)
     prompts = [list(range(5, 17)), list(range(30, 39))]
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
@@ -214,19 +224,29 @@ def test_zero3_rollouts_see_the_trained_weights_and_leave_them_partitioned() -> 
         cfg = make_cfg("starpo", *backend)
         state = init_state(cfg)
         generator = make_generator("hf", state.models.actor, tokenizer)
-        before = generator.generate(prompts, params)
-        update(state, make_batch(), cfg)
+        fetched.clear()
+        with state.generation_weights():
+            before = generator.generate(prompts, params)
+        assert not fetched, f"{name}: {len(fetched)} per-layer fetches while generating"
+        stats = update(state, make_batch(), cfg)
+        assert not name == "zero3" or fetched  # the training forwards gather through the hooks again
         with state.full_weights():
             generator.update_weights(state.models.actor)
-        runs[name] = (before, generator.generate(prompts, params), state)
+        with state.generation_weights():
+            after = generator.generate(prompts, params)
+        runs[name] = (before, after, state, stats.metrics["actor/grad_norm"])
     for (want, got) in zip(runs["torch"][:2], runs["zero3"][:2], strict=True):
         assert [g.token_ids for g in got] == [g.token_ids for g in want]
         for g, w in zip(got, want, strict=True):
             assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert runs["zero3"][3] == pytest.approx(runs["torch"][3], rel=RTOL)
     assert runs["torch"][0][0].token_ids != runs["torch"][1][0].token_ids or \
         runs["torch"][0][0].logprobs != runs["torch"][1][0].logprobs  # the update changed what is sampled
     zero3 = runs["zero3"][2]
     assert all(p.numel() == 0 for p in zero3.models.actor.parameters())  # partitioned again after the rollouts
+    fetched.clear()
+    again = generator.generate(prompts, params)  # outside the block the per-layer hooks gather, as before
+    assert fetched and [g.token_ids for g in again] == [g.token_ids for g in runs["zero3"][1]]
     with zero3.full_weights():
         assert zero3.models.actor.get_input_embeddings().weight.shape == (len(tokenizer), 64)
 
