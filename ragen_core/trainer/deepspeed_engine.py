@@ -301,12 +301,15 @@ class DeepSpeedEngine:
             with unwrap_model_for_generation(self.engine):
                 yield
         finally:
-            # The hooks are registered again on exit. ZeRO-3's record of the order in which the last training
-            # forward fetched the layers is stale then, and DeepSpeed releases without PR 8043 (0.19.0 has not
-            # got it, 0.19.8 has) keep it: the next training forward follows it and fails (IndexError in
-            # record_parameters). Cleared, that forward records a fresh one.
             optimizer = self.engine.optimizer
-            coordinator = getattr(optimizer, "parameter_offload", optimizer).get_param_coordinator()
+            offload = getattr(optimizer, "parameter_offload", optimizer)
+            if not offload.forward_hooks:  # the block raised: DeepSpeed's context puts its hooks back only on success
+                offload._register_deepspeed_module(offload.module)
+            # ZeRO-3's record of the order in which the last training forward fetched the layers is stale once the
+            # hooks are registered again, and DeepSpeed releases without PR 8043 (0.19.0 has not got it, 0.19.8
+            # has) keep it: the next training forward follows it and fails (IndexError in record_parameters).
+            # Cleared, that forward records a fresh one.
+            coordinator = offload.get_param_coordinator()
             if not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
 

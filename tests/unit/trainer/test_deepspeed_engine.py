@@ -251,6 +251,21 @@ def test_zero3_rollouts_see_the_trained_weights_and_leave_them_partitioned(monke
         assert zero3.models.actor.get_input_embeddings().weight.shape == (len(tokenizer), 64)
 
 
+@pytest.mark.usefixtures("deepspeed_installed")
+def test_zero3_trains_on_after_a_generation_that_raised() -> None:
+    # DeepSpeed's unwrap_model_for_generation takes ZeRO-3's hooks off and puts them back only when its block ends
+    # normally; generation_weights puts them back either way, so the update after a failed rollout still gathers.
+    runs = {}
+    for name, backend in (("torch", []), ("zero3", _ds(3))):
+        cfg = make_cfg("starpo", *backend)
+        state = init_state(cfg)
+        with pytest.raises(RuntimeError, match="a rollout failed"), state.generation_weights():
+            raise RuntimeError("a rollout failed")
+        runs[name] = (state, update(state, make_batch(), cfg).metrics["actor/grad_norm"])
+    assert runs["zero3"][1] == pytest.approx(runs["torch"][1], rel=RTOL)
+    assert all(p.numel() == 0 for p in runs["zero3"][0].models.actor.parameters())
+
+
 def test_deepspeed_config_cannot_override_what_the_update_math_relies_on() -> None:
     with pytest.raises(ConfigError, match="gradient_clipping, train_micro_batch_size_per_gpu come from ragen"):
         make_cfg("grpo", *_ds(2), "trainer.deepspeed.gradient_clipping=5",
