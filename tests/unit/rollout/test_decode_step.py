@@ -27,6 +27,20 @@ def matmuls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return str(request.param)
 
 
+def _tiny(seed: int, heads: str):
+    """tiny_random's model and tokenizer; ``heads`` "grouped": the same config with 4 query heads over 2 key/value
+    heads (head size 32), so that each key/value head serves a group of query heads, as in SmolLM2 (9 over 3) and
+    Qwen2.5 (14 over 2); "single": tiny_random's own 2 query heads over 1."""
+    model, tok = tiny_random(seed=seed)
+    if heads == "grouped":
+        config = type(model.config)(**{**model.config.to_dict(), "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "head_dim": 32})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = type(model)(config)
+    return model.eval(), tok
+
+
 def _prefilled(model, prompts: list[list[int]], pad: int = 0):
     """Left-padded batch of ``prompts`` prefilled with model.forward: (cache with room, mask)."""
     width = max(map(len, prompts))
@@ -163,9 +177,10 @@ def test_a_prefill_takes_attention_output_in_a_gpus_memory_layout(monkeypatch: p
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", ["single", "grouped"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_generations_with_and_without_the_fast_step_agree(lora: bool, matmuls: str) -> None:
-    model, tok = tiny_random(seed=1)
+def test_generations_with_and_without_the_fast_step_agree(lora: bool, heads: str, matmuls: str) -> None:
+    model, tok = _tiny(1, heads)
     if lora:
         model = with_trained_lora(model, ["q_proj", "v_proj", "up_proj"])
     prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1], [11, 4]]
@@ -258,10 +273,11 @@ def test_an_architecture_it_does_not_cover_falls_back_to_model_forward() -> None
     assert decode_step_for(zero3) is None
 
 
+@pytest.mark.parametrize("heads", ["single", "grouped"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["fused-kernel", "flash-and-merge"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_cascade_attention_over_shared_prompts_samples_what_model_forward_samples(lora: bool, kernel: bool,
-                                                                                  monkeypatch) -> None:
+                                                                                  heads: str, monkeypatch) -> None:
     """Prompt groups (N rows of one prompt, prefilled once): the fast step keeps the shared prompt once per
     group (decode_step.SharedPrefix), and each row attends to it and to its own tokens: in one call of the
     fused CPU kernel, or (without it) torch's flash kernel over each group's stacked rows merged with the rows'
@@ -272,7 +288,7 @@ def test_cascade_attention_over_shared_prompts_samples_what_model_forward_sample
     if kernel:
         require(cpu_attention.compiler() is not None, "no C++ compiler ($CXX, else c++) to build the kernel")
         assert cpu_attention.kernel_available()
-    model, tok = tiny_random(seed=4)
+    model, tok = _tiny(4, heads)
     if lora:
         model = with_trained_lora(model, ["q_proj", "k_proj", "v_proj"])
     plans = []  # batch size of each cascade step, on the path under test
