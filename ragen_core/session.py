@@ -285,7 +285,8 @@ def open_session(
 def _rollout_value_head(state: TrainState) -> torch.nn.Module | None:
     """The actor's value head (``critic: head``) for the hf generator to record old values with, so the update
     runs no forward for them (trainer.update._rollout_side); None with a separate critic or none, or when ZeRO-3
-    partitions the head (its weights exist only inside the engine's forward)."""
+    partitions the head (its weights are whole only inside the engine's forward and generation_weights, and the
+    generator that would hold it is built outside both)."""
     head = state.models.value_head
     if head is None or any(hasattr(p, "ds_id") for p in head.parameters()):
         return None
