@@ -419,6 +419,72 @@ def test_identical_prompts_are_prefilled_once(tiny):
         )
 
 
+def _opening_alike(tokenizer):
+    """Prompts as one env's first turns: a long shared opening, then different states (two of them twice, as
+    prompt groups), and one unrelated prompt."""
+    opening = tokenizer.encode(TEXTS[2] + ". " + TEXTS[0] + ". Answer in <answer></answer>.")
+    states = [tokenizer.encode(f" Seed {s}: state {board}") for s, board in ((1, "P _ O G"), (2, "_ _ P G H H"),
+                                                                             (3, "G"))]
+    a, b, c = (opening + s for s in states)
+    return opening, [a, b, a, tokenizer.encode(TEXTS[1]), c, b]
+
+
+@pytest.mark.parametrize(("fast", "chunk"), [(True, 8192), (False, 8192), (True, 48), (False, 48)])
+def test_prompts_that_open_alike_prefill_their_common_prefix_once(tiny, fast, chunk, monkeypatch):
+    """Different first-turn prompts with a common opening (one env's instructions) prefill it once and reuse it
+    as a kept cache: the same replies and log-probs as prefilling each prompt whole, over three turns of kept
+    caches, in one prefill group or in several (``prefill_chunk_tokens``)."""
+    from ragen_core.rollout.generators import hf
+
+    model, tokenizer = tiny
+    opening, prompts = _opening_alike(tokenizer)
+    assert len(opening) > hf.COMMON_PREFIX_MIN
+
+    def run(gen):
+        contexts, history = [list(p) for p in prompts], []
+        user = tokenizer.encode("<|im_end|>\nTurn 2: reward 0.0. State: P _ O G")
+        for turn in range(3):
+            out = gen.generate(contexts, SamplingParams(temperature=1.0, max_new_tokens=6, seed=turn),
+                               session_ids=list(range(len(contexts))))
+            history.append(out)
+            contexts = [c + list(g.token_ids) + user for c, g in zip(contexts, out, strict=True)]
+        return history
+
+    shared = HFGenerator(model, tokenizer, fast_decode=fast, prefill_chunk_tokens=chunk)
+    history = run(shared)
+    n = len(opening) + _common_prefix_len([prompts[0][len(opening):], prompts[1][len(opening):],
+                                          prompts[4][len(opening):]])
+    distinct = [prompts[0], prompts[1], prompts[4]]
+    assert shared.stats["common_prefix_tokens"] == 2 * n  # three distinct prompts open alike: two skip it
+    first_turn = n + sum(len(p) - n for p in distinct) + len(prompts[3])
+    assert shared.stats["prefill_tokens"] > first_turn  # and the later turns' suffixes
+    for prompt, g in zip(prompts, history[0], strict=True):
+        assert torch.allclose(torch.tensor(g.logprobs), teacher_forced_logprobs(model, prompt, g.token_ids),
+                              atol=1e-5)
+    monkeypatch.setattr(hf, "COMMON_PREFIX_MIN", 1 << 30)  # every prompt prefilled whole
+    whole = HFGenerator(model, tokenizer, fast_decode=fast, prefill_chunk_tokens=chunk)
+    _assert_same(history, run(whole), atol=1e-5)
+    assert whole.stats["common_prefix_tokens"] == 0
+    assert whole.stats["prefill_tokens"] == shared.stats["prefill_tokens"] + 2 * n  # n once against three times
+
+
+def test_first_turn_prefill_counts_the_common_prefix_once(tiny):
+    model, tokenizer = tiny
+    opening, prompts = _opening_alike(tokenizer)
+    gen = HFGenerator(model, tokenizer)
+    gen.generate(prompts, SamplingParams(max_new_tokens=3, seed=1))
+    distinct = [prompts[0], prompts[1], prompts[4]]
+    n = len(opening) + _common_prefix_len([p[len(opening):] for p in distinct])
+    assert gen.stats["prefill_tokens"] == n + sum(len(p) - n for p in distinct) + len(prompts[3])
+    assert gen.stats["common_prefix_tokens"] == 2 * n
+    assert gen.stats["shared_prompt_tokens"] == len(prompts[0]) + len(prompts[1])
+
+
+def _common_prefix_len(seqs):
+    n = min(len(s) for s in seqs)
+    return next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
+
+
 def test_gqa_attention_matches_sdpa_on_padded_batch_and_restores_config(tiny):
     from ragen_core.rollout.generators.attention import gqa_attention
 
