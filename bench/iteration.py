@@ -35,8 +35,14 @@ To compare with an older checkout (side by side on one machine), run that checko
 
 Run:  .venv/bin/python bench/iteration.py [--case demo|vanilla|frozenlake] [--iterations 5] [--flow]
                                           [--set key=value ...] [experiment.yaml]
+Two codes that sample differently train on different rows: another rounding draws other tokens, and the update's
+kept rows come out longer or shorter. So each step's work is counted too (``work_tokens``: the tokens the
+evaluation and the rollouts sampled, the trained tokens of the rows the update ran on), with its seconds per
+thousand of them (``s_per_1k_tokens``), to compare two runs' steps on the same work.
+
 The last line printed is one JSON object: {"seconds": {...}, "share": {...}, "diagnostics_share": ...,
-"update_roofline_frac": ..., "val_success": [[iteration, validation success], ...]}
+"update_roofline_frac": ..., "val_success": [[iteration, validation success], ...], "work_tokens": {...},
+"s_per_1k_tokens": {...}}
 """
 
 from __future__ import annotations
@@ -130,16 +136,17 @@ def main() -> None:
     session.base_model_spec(cfg, say=lambda line: print(line, flush=True))
     rates = {p: matmul_rate(DTYPES[p]) / 1e9 for p in sorted({"fp32", compute_precision(cfg)})}  # GFLOP/s
     seconds: dict[str, float] = defaultdict(float)
+    work: dict[str, float] = defaultdict(float)  # tokens each step worked on (WORK)
     measured: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         sess = session.open_session(cfg, NullLogger(), Path(tmp) / "run", say=lambda line: None)
         started = time.perf_counter()
         while not sess.done:
-            t0 = time.perf_counter()
+            t0, g0 = time.perf_counter(), sess.generator.stats["generated_tokens"]
             val = session.evaluate_policy(sess) if session.eval_due(sess) else None
-            t1 = time.perf_counter()
+            t1, g1 = time.perf_counter(), sess.generator.stats["generated_tokens"]
             rollouts = session.collect_rollouts(sess)
-            t2 = time.perf_counter()
+            t2, g2 = time.perf_counter(), sess.generator.stats["generated_tokens"]
             diag = session.diagnose(sess, rollouts) if session.collapse_due(sess) else None
             t3 = time.perf_counter()
             selection = session.tokenize_and_filter(sess, rollouts)
@@ -151,6 +158,9 @@ def main() -> None:
             for key, a, b in (("evaluate", t0, t1), ("rollout", t1, t2), ("diagnostics", t2, t3), ("filter", t3, t4),
                               ("update", t4, t5), ("record", t5, t6)):
                 seconds[key] += b - a
+            work["evaluate"] += g1 - g0
+            work["rollout"] += g2 - g1
+            work["update"] += float(selection.batch.loss_mask.sum())
             analysis = selection.metrics.get("timing/grad_buckets_s", 0.0)  # the gradient analysis, out of filter's
             seconds["grad_buckets"] += analysis
             seconds["filter"] -= analysis
@@ -180,6 +190,8 @@ def main() -> None:
         "diagnostics_share": round(share["diagnostics"], 4),
         "diagnostics_s_per_measurement": round(sum(measured) / max(len(measured), 1), 2),
         "val_success": val_success, "train_success": train_success,
+        "work_tokens": {k: int(v) for k, v in work.items()},
+        "s_per_1k_tokens": {k: round(seconds[k] / v * 1000, 3) for k, v in work.items() if v},
         "matmul_gflop_per_s": {k: round(v, 1) for k, v in rates.items()}, **roofline,
     }
     for k, v in sorted(share.items(), key=lambda kv: -kv[1]):
@@ -219,6 +231,11 @@ def main() -> None:
               f"{(flow_out - plain_out) / flow_s:.1%} of the flow's iteration")
     print(json.dumps(result))
 
+
+WORK = {"evaluate": "tokens the evaluation sampled", "rollout": "tokens the rollouts sampled",
+        "update": "trained tokens (the kept rows' loss mask) the update ran on"}
+"""What ``work_tokens`` counts per step. Two codes that sample differently (another rounding draws other
+tokens) train on other rows, of other lengths: ``s_per_1k_tokens`` compares their steps on a common measure."""
 
 ITERATION = "timing/iteration_s"
 STEP_TIMES = ("timing/rollout_s", "timing/update_s")
