@@ -35,10 +35,12 @@ To compare with an older checkout (side by side on one machine), run that checko
 
 Run:  .venv/bin/python bench/iteration.py [--case demo|vanilla|frozenlake] [--iterations 5] [--flow]
                                           [--set key=value ...] [experiment.yaml]
+
 Two codes that sample differently train on different rows: another rounding draws other tokens, and the update's
 kept rows come out longer or shorter. So each step's work is counted too (``work_tokens``: the tokens the
 evaluation and the rollouts sampled, the trained tokens of the rows the update ran on), with its seconds per
-thousand of them (``s_per_1k_tokens``), to compare two runs' steps on the same work.
+thousand of them (``s_per_1k_tokens``), to compare two runs' steps on the same work. An older checkout's bench
+may not count them: its session's evaluate_policy, collect_rollouts and tokenize_and_filter can be wrapped to.
 
 The last line printed is one JSON object: {"seconds": {...}, "share": {...}, "diagnostics_share": ...,
 "update_roofline_frac": ..., "val_success": [[iteration, validation success], ...], "work_tokens": {...},
