@@ -138,7 +138,7 @@ def main() -> None:
     session.base_model_spec(cfg, say=lambda line: print(line, flush=True))
     rates = {p: matmul_rate(DTYPES[p]) / 1e9 for p in sorted({"fp32", compute_precision(cfg)})}  # GFLOP/s
     seconds: dict[str, float] = defaultdict(float)
-    work: dict[str, float] = defaultdict(float)  # tokens each step worked on (WORK)
+    work: dict[str, float] = defaultdict(float)  # tokens each step sampled or trained on (work_tokens)
     measured: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         sess = session.open_session(cfg, NullLogger(), Path(tmp) / "run", say=lambda line: None)
@@ -233,11 +233,6 @@ def main() -> None:
               f"{(flow_out - plain_out) / flow_s:.1%} of the flow's iteration")
     print(json.dumps(result))
 
-
-WORK = {"evaluate": "tokens the evaluation sampled", "rollout": "tokens the rollouts sampled",
-        "update": "trained tokens (the kept rows' loss mask) the update ran on"}
-"""What ``work_tokens`` counts per step. Two codes that sample differently (another rounding draws other
-tokens) train on other rows, of other lengths: ``s_per_1k_tokens`` compares their steps on a common measure."""
 
 ITERATION = "timing/iteration_s"
 STEP_TIMES = ("timing/rollout_s", "timing/update_s")
