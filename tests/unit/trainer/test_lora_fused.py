@@ -24,9 +24,12 @@ from tests.unit.trainer.conftest import make_cfg
 
 def _lora(dropout: float = 0.0) -> torch.nn.Module:
     model, _ = tiny_random(0)
-    # init_lora_weights=False: B random, not zero, so the adapter's term is not zero and is checked
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear",
-                                            init_lora_weights=False))
+    # init_lora_weights=False: B random, not zero, so the adapter's term is not zero and is checked. The adapters
+    # draw from a seeded stream: the model does not depend on which tests ran before in the process.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                target_modules="all-linear", init_lora_weights=False))
 
 
 def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -156,14 +159,20 @@ def test_fused_under_autocast_equals_peft_under_autocast(frozen_bf16: bool, monk
     assert calls[0] == n  # the fused path under autocast
     assert got_logits.dtype == want_logits.dtype == torch.bfloat16
     # bf16 rounds differently on the two paths (the adapter's product is summed into the output in fp32 here),
-    # and on this tiny model both are 1-5% (of the largest entry) from the fp32 result: the fused one must be
-    # about as close as peft's, tensor by tensor
+    # and on this tiny model both are 1-5% (of the largest entry) from the fp32 result. The fused one must be as
+    # close as peft's over all tensors, and no tensor far off. Over 24 draws of the adapters: the total error
+    # 0.69-1.30 times peft's; a tensor's largest error 0.96 times peft's at the median, worse on 44% of them, up
+    # to 4.2 times on a small one (rounding on few entries)
+    total_got = total_want = 0.0
     for got, want, exact in zip([got_logits, *got_grads], [want_logits, *want_grads], [exact_logits, *exact_grads],
                                 strict=True):
         scale = exact.float().abs().max()
         err_got = float((got.float() - exact.float()).abs().max() / scale)
         err_want = float((want.float() - exact.float()).abs().max() / scale)
-        assert err_got <= max(2 * err_want, 2e-2), (tuple(got.shape), err_got, err_want)
+        assert err_got <= max(5 * err_want, 2e-2), (tuple(got.shape), err_got, err_want)
+        total_got += float((got.float() - exact.float()).pow(2).sum())
+        total_want += float((want.float() - exact.float()).pow(2).sum())
+    assert total_got ** 0.5 <= 1.5 * total_want ** 0.5, (total_got ** 0.5, total_want ** 0.5)
 
 
 def test_layers_reading_one_input_share_its_autocast_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,9 +202,16 @@ def test_the_fused_path_runs_in_inference_mode_under_autocast() -> None:
     fused = copy.deepcopy(plain)
     fuse_lora_linears(fused)
     ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        exact = plain(input_ids=ids).logits.float()  # fp32: the rounding's yardstick
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
         got, want = fused(input_ids=ids).logits, plain(input_ids=ids).logits
-    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=float(4e-2 * want.float().abs().max()))
+    # Each path's bf16 logits are 1-6% (of the largest) from fp32's on this tiny model, over 16 draws of the
+    # adapters, and the two paths' rounding differ from each other by as much: the fused one must be about as
+    # close to fp32 as peft's
+    scale = exact.abs().max()
+    err_got, err_want = (float((x.float() - exact).abs().max() / scale) for x in (got, want))
+    assert err_got <= max(2 * err_want, 3e-2), (err_got, err_want)
 
 
 def test_policy_models_under_lora_use_the_fused_layers() -> None:
