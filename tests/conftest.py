@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import random
 import sys
 from collections.abc import Iterator, Sequence
 from types import ModuleType
@@ -33,6 +34,37 @@ def pytest_configure(config: pytest.Config) -> None:
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+TEST_SEED = 0
+"""The seed of the global random streams (Python's, NumPy's, torch's) at the start of every test's setup and body."""
+
+
+def reseed_global_rngs(seed: int = TEST_SEED) -> None:
+    """Seed Python's, NumPy's and torch's global random streams, the last two where a test has imported them (torch
+    seeds its own deterministically at import; NumPy's legacy stream is seeded from the OS otherwise)."""
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Every test draws the same numbers from the global streams whatever ran before it in its process: which tests
+    an xdist worker runs first depends on the collection and on timing, and a tiny model built from the global
+    stream (a test's random weights) was another model when a test was added to another file (test_lora_fused).
+    Seeded before the fixtures (a module-scoped one is made by whichever test needs it first) and again before
+    the test's body (:func:`pytest_runtest_call`)."""
+    reseed_global_rngs()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    reseed_global_rngs()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
