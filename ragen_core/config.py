@@ -337,6 +337,10 @@ class TrainerConfig:
     seed: int = F(0, "seed for env seeds, sampling and initialisation", ge=0)
     checkpoint_every: int = F(10, "save a checkpoint every N iterations (and at the end); 0 disables", ge=0)
     threads: int | None = F(None, "torch CPU threads; None keeps torch's default", ge=1)
+    stall_seconds: int = F(
+        3600, "a run whose steps and rollout turns report no progress for this long writes every thread's traceback "
+        "to stderr and exits with status 1 (a hung collective or filesystem: a study retries it from its "
+        "checkpoint); 0 disables", ge=0)
     precision: Literal["fp32", "bf16", "auto"] = F(
         "fp32", "fp32, or bf16 mixed precision: forwards (and so backwards) under bf16 autocast, while the trained "
                 "weights and the optimizer state stay fp32 (master weights), whatever model.dtype is; auto: bf16 "

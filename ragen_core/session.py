@@ -39,9 +39,9 @@ import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -84,6 +84,7 @@ from ragen_core.trainer.models import resolve_device
 from ragen_core.trainer.update import grad_buckets
 from ragen_core.trainer.warmup import warmup_facts, warmup_model
 from ragen_core.types import RolloutBatch, Selection, Trajectory, UpdateStats
+from ragen_core.watchdog import stall_watchdog
 
 if TYPE_CHECKING:  # transformers only for the annotation: ragen_core.models loads it when a model is loaded
     from transformers import PreTrainedTokenizerBase
@@ -626,13 +627,42 @@ def _iteration(sess: Session, steps: Steps, val: dict[str, float] | None) -> dic
     return metrics
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
 def run_to_end(sess: Session, steps: Steps | None = None, hooks: Hooks | None = None) -> None:
     """All remaining iterations, then the final evaluation: the one loop of a run, on every rank.
 
     ``steps`` defaults to the plain functions; the flow passes its Prefect tasks and its ``hooks`` (rank 0).
     A stop decided in ``after_eval`` is rank 0's and is broadcast like a health stop, so all ranks stop together.
+    Each step and each turn of a rollout or evaluation (``sess.progress``) is progress for the stall watchdog
+    (``trainer.stall_seconds``, ragen_core/watchdog.py): a process that hangs longer between two of them exits.
     """
     steps, hooks = steps or PLAIN_STEPS, hooks or Hooks()
+    report = sess.progress
+    with stall_watchdog(sess.cfg.trainer.stall_seconds, sess.say) as progress:
+
+        def turns(what: str, done: int, total: int) -> None:
+            progress()
+            if report is not None:
+                report(what, done, total)
+
+        def armed(step: Callable[_P, _R]) -> Callable[_P, _R]:
+            def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+                progress()
+                return step(*args, **kwargs)
+
+            return run
+
+        sess.progress = turns
+        try:
+            _run_to_end(sess, Steps(*(armed(getattr(steps, f.name)) for f in fields(Steps))), hooks)
+        finally:
+            sess.progress = report
+
+
+def _run_to_end(sess: Session, steps: Steps, hooks: Hooks) -> None:
     while not sess.done:
         val = steps.evaluate(sess) if eval_due(sess) else None  # the policy after `iteration` updates
         if val is not None and hooks.after_eval is not None:

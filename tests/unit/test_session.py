@@ -108,11 +108,11 @@ def test_the_one_loop_runs_the_given_steps_in_order_and_a_hook_may_end_it_at_an_
         def done(self) -> bool:
             return self.stop_reason is not None or self.iteration >= 3
 
-    sess = Stand(iteration=0, stop_reason=None, history=[], main=True, say=calls.append,
+    sess = Stand(iteration=0, stop_reason=None, history=[], main=True, say=calls.append, progress=None,
                  logger=SimpleNamespace(log_metrics=lambda *a, **k: None),
                  folder=SimpleNamespace(append_history=lambda row: None),
                  cfg=SimpleNamespace(eval=SimpleNamespace(every=2),
-                                     trainer=SimpleNamespace(iterations=3, checkpoint_every=1),
+                                     trainer=SimpleNamespace(iterations=3, checkpoint_every=1, stall_seconds=60),
                                      diagnostics=SimpleNamespace(collapse_every=0)))
 
     def step(name: str, result: object = None):
