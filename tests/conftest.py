@@ -55,10 +55,10 @@ def reseed_global_rngs(seed: int = TEST_SEED) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Every test draws the same numbers from the global streams whatever ran before it in its process: which tests
-    an xdist worker runs first depends on the collection and on timing, and a tiny model built from the global
-    stream (a test's random weights) was another model when a test was added to another file (test_lora_fused).
-    Seeded before the fixtures (a module-scoped one is made by whichever test needs it first) and again before
-    the test's body (:func:`pytest_runtest_call`)."""
+    an xdist worker runs before it depends on the collection and on timing, and a tiny model a test builds from the
+    global stream would otherwise be another model whenever tests are added or moved elsewhere. Seeded before the
+    fixtures (a module-scoped one is made by whichever test needs it first) and again before the test's body
+    (:func:`pytest_runtest_call`)."""
     reseed_global_rngs()
 
 
