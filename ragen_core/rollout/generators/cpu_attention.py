@@ -39,6 +39,9 @@ split between the threads, each panel's first tile prefetching the next. A decod
 come from memory, and oneDNN's AVX2 kernels wait for them: timed as a step runs them (30 layers' four matmuls and
 the output layer, each weight its own), 129 against 160 ms at 64 rows, 26 against 43 ms at 8 (docs/benchmarks.md).
 
+The build also carries the decode step's fused small ops (:func:`step_ops`: a norm with its cast, the rotary
+embedding with the cache append, SiLU times up), each one pass over a step's few rows where torch runs several ops.
+
 No library offers this attention for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
 paged layout, torch's flash kernel is the one compared above. The source below is written into the build directory
 and compiled at first use by ``torch.utils.cpp_extension.load`` (``$CXX``, else ``c++``, and ninja), announced by one
@@ -82,7 +85,7 @@ from filelock import Timeout
 from ragen_core.torch_builds import exclusive_build
 
 __all__ = ["Panels", "Shared", "build_root", "compiler", "decode_attention", "kernel_available", "pack_panels",
-           "panel_linear", "panels_pay"]
+           "panel_linear", "panels_pay", "step_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -643,6 +647,144 @@ int64_t panel_width() {
   return 0;
 #endif
 }
+
+// ---- the decode step's small ops, fused (decode_step.py): a step's rows are few, so each of these is a pass over
+// a few kilobytes, which costs less than calling the separate torch ops it replaces.
+
+// A float vector rounded to bf16 and back (to-nearest-even, as torch's casts round).
+inline std::tuple<VecF, VecF> round_bf16(const VecF& a, const VecF& b) {
+  return at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(a, b));
+}
+
+// out[m] = w * (x[m] * rsqrt(mean(x[m]^2) + eps)) in float32 (LlamaRMSNorm's arithmetic), stored in out's dtype:
+// x [M, H] float32 (last dimension contiguous), w [H] float32; bf16: a bfloat16 result, else float32.
+at::Tensor rms_norm_to(const at::Tensor& x, const at::Tensor& w, double eps, bool bf16) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
+              w.is_contiguous() && w.numel() == x.size(1), "rms_norm_to: x [M, H] and w [H], float32");
+  const int64_t M = x.size(0), H = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({M, H}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  std::vector<float> row(H);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * xs;
+    const float ss = at::vec::map_reduce_all<float>([](VecF v) { return v * v; },
+                                                    [](VecF a, VecF b) { return a + b; }, xr, H);
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+    at::vec::map2<float>([r](VecF a, VecF b) { return b * (a * VecF(r)); }, row.data(), xr, wp, H);
+    if (bf16) {
+      at::vec::convert(row.data(), out.data_ptr<c10::BFloat16>() + m * H, H);
+    } else {
+      std::copy(row.begin(), row.end(), out.data_ptr<float>() + m * H);
+    }
+  }
+  return out;
+}
+
+// A decode step's rotary embedding and cache append in one pass. qkv [B, (nh + 2 nkv) d] (float32 or bf16, last
+// dimension contiguous) holds each row's query heads, then its key heads, then its value heads; cos, sin [B, d]
+// float32. The query and key heads are rotated in float32 (x cos + rotate_half(x) sin); the rotated keys and the
+// values go to column `slot` of k_cache and v_cache [B, nkv, capacity, d] (float32 or bf16, last dimension
+// contiguous, rounded to their dtype). Returns the rotated queries [B, nkv, nh / nkv, d] float32 (contiguous).
+template <typename T, typename C>
+void rotary_rows(const at::Tensor& qkv, const float* cp, const float* sp, at::Tensor& kc, at::Tensor& vc,
+                 int64_t slot, int64_t nh, int64_t nkv, float* qp) {
+  const int64_t B = qkv.size(0), d = kc.size(3), half = d / 2, rs = qkv.stride(0);
+  const T* src = static_cast<const T*>(qkv.const_data_ptr());
+  C* kp = static_cast<C*>(kc.data_ptr());
+  C* vp = static_cast<C*>(vc.data_ptr());
+  for (int64_t b = 0; b < B; ++b) {
+    const T* row = src + b * rs;
+    const float* c = cp + b * d;
+    const float* s = sp + b * d;
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      const T* x = row + h * d;
+      float* dst = h < nh ? qp + (b * nh + h) * d : nullptr;
+      C* kd = h < nh ? nullptr : kp + b * kc.stride(0) + (h - nh) * kc.stride(1) + slot * kc.stride(2);
+      for (int64_t i = 0; i < d; ++i) {
+        const float xi = static_cast<float>(x[i]);
+        const float other = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+        const float y = xi * c[i] + other * s[i];
+        if (dst) dst[i] = y; else kd[i] = static_cast<C>(y);
+      }
+    }
+    for (int64_t h = 0; h < nkv; ++h) {
+      const T* x = row + (nh + nkv + h) * d;
+      C* vd = vp + b * vc.stride(0) + h * vc.stride(1) + slot * vc.stride(2);
+      for (int64_t i = 0; i < d; ++i) vd[i] = static_cast<C>(static_cast<float>(x[i]));
+    }
+  }
+}
+
+at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                     at::Tensor v_cache, int64_t slot, int64_t nh, int64_t nkv) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+              k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.sizes() == v_cache.sizes(),
+              "rotary_kv: qkv [B, (nh + 2 nkv) d], caches [B, nkv, capacity, d] with a contiguous last dimension");
+  const int64_t B = qkv.size(0), d = k_cache.size(3);
+  TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d % 2 == 0 && qkv.size(1) == (nh + 2 * nkv) * d &&
+              k_cache.size(0) == B && k_cache.size(1) == nkv && 0 <= slot && slot < k_cache.size(2),
+              "rotary_kv: shapes do not match (qkv ", qkv.sizes(), ", cache ", k_cache.sizes(), ", slot ", slot, ")");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.numel() == B * d && sin.numel() == B * d,
+              "rotary_kv: cos, sin [B, d] float32");
+  const auto in = qkv.scalar_type(), cache = k_cache.scalar_type();
+  TORCH_CHECK((in == at::kFloat || in == at::kBFloat16) && (cache == at::kFloat || cache == at::kBFloat16) &&
+              v_cache.scalar_type() == cache, "rotary_kv: float32 or bfloat16 tensors");
+  at::Tensor q = at::empty({B, nkv, nh / nkv, d}, qkv.options().dtype(at::kFloat));
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  using BF = c10::BFloat16;
+  const bool in32 = in == at::kFloat, cache32 = cache == at::kFloat;
+  if (in32 && cache32) rotary_rows<float, float>(qkv, cp, sp, k_cache, v_cache, slot, nh, nkv, qp);
+  else if (in32) rotary_rows<float, BF>(qkv, cp, sp, k_cache, v_cache, slot, nh, nkv, qp);
+  else if (cache32) rotary_rows<BF, float>(qkv, cp, sp, k_cache, v_cache, slot, nh, nkv, qp);
+  else rotary_rows<BF, BF>(qkv, cp, sp, k_cache, v_cache, slot, nh, nkv, qp);
+  return q;
+}
+
+// silu(gate) * up for gate_up [M, 2I] (gate then up, float32 or bf16, last dimension contiguous) -> [M, I] in its
+// dtype, rounded as F.silu(gate) * up rounds: silu in float32 (x / (1 + exp(-x))), then to the dtype, then the
+// product in float32, then to the dtype.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up [M, 2I] with a contiguous last dimension");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2, rs = gate_up.stride(0);
+  at::Tensor out = at::empty({M, I}, gate_up.options());
+  const VecF one(1.f);
+  auto silu = [&](const VecF& g) { return g / (one + g.neg().exp()); };
+  if (gate_up.scalar_type() == at::kFloat) {
+    const float* src = gate_up.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      at::vec::map2<float>([&](VecF g, VecF u) { return silu(g) * u; }, dst + m * I, src + m * rs,
+                           src + m * rs + I, I);
+    return out;
+  }
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16");
+  using VecB = at::vec::Vectorized<c10::BFloat16>;
+  const c10::BFloat16* src = gate_up.data_ptr<c10::BFloat16>();
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* g = src + m * rs;
+    const c10::BFloat16* u = g + I;
+    c10::BFloat16* o = dst + m * I;
+    int64_t i = 0;
+    for (; i + VecB::size() <= I; i += VecB::size()) {
+      const auto [g0, g1] = at::vec::convert_bfloat16_float(VecB::loadu(g + i));
+      const auto [u0, u1] = at::vec::convert_bfloat16_float(VecB::loadu(u + i));
+      const auto [s0, s1] = round_bf16(silu(g0), silu(g1));
+      at::vec::convert_float_bfloat16(s0 * u0, s1 * u1).store(o + i);
+    }
+    for (; i < I; ++i) {
+      const float gi = static_cast<float>(g[i]);
+      const float s = static_cast<float>(static_cast<c10::BFloat16>(gi / (1.f + std::exp(-gi))));
+      o[i] = static_cast<c10::BFloat16>(s * static_cast<float>(u[i]));
+    }
+  }
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(ragen_cpu_attention, m) {
@@ -650,10 +792,17 @@ TORCH_LIBRARY(ragen_cpu_attention, m) {
         "Tensor? shared_v=None, Tensor? shared_mask=None, Tensor? source=None) -> (Tensor, Tensor)");
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias=None) -> Tensor");
   m.def("panel_width() -> int", &panel_width);
+  m.def("rms_norm_to(Tensor x, Tensor w, float eps, bool bf16) -> Tensor");
+  m.def("rotary_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int nh, "
+        "int nkv) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("panel_linear", &panel_linear);
+  m.impl("rms_norm_to", &rms_norm_to);
+  m.impl("rotary_kv", &rotary_kv);
+  m.impl("silu_mul", &silu_mul);
 }
 """
 
@@ -862,3 +1011,13 @@ def panel_linear(x: torch.Tensor, weight: Panels, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     y = torch.ops.ragen_cpu_attention.panel_linear(x.reshape(-1, x.shape[-1]), weight.data, weight.n, bias)
     return y.view(*lead, weight.n)
+
+
+def step_ops() -> Any | None:
+    """The decode step's fused small ops, where the kernel is built (else None): ``rms_norm_to(x, w, eps, bf16)``
+    (LlamaRMSNorm of float32 rows, stored in bfloat16 or float32), ``rotary_kv(qkv, cos, sin, k_cache, v_cache,
+    slot, nh, nkv)`` (the query and key heads of a step's fused projection rotated, the keys and values written into
+    the caches' column ``slot``, the queries returned as [B, nkv, nh / nkv, d] float32) and ``silu_mul(gate_up)``
+    (the MLP's ``silu(gate) * up``, rounded as the separate ops round). Each replaces several torch ops on a step's
+    few rows: decode_step.py."""
+    return torch.ops.ragen_cpu_attention if _op() is not None else None

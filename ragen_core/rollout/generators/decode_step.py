@@ -30,6 +30,10 @@ running the same arithmetic on the same weights directly, with the matmuls on pa
   The fused kernel reads them with fp32 queries and accumulates in fp32; torch's attention (the prefill's, and
   the step's without the kernel) runs in bf16, as under autocast;
 - rotary embeddings come from the model's own rotary module (so any rope scaling it has is kept);
+- a step's rows are few, so its small ops cost their calls more than their arithmetic: on a CPU build of
+  cpu_attention.py's kernel, each norm and its cast to the matmuls' dtype run as one op, the rotary embedding of
+  the query and key heads with the keys' and values' cache writes as one, and the MLP's SiLU and product as one
+  (``cpu_attention.step_ops``; :meth:`LlamaDecodeStep._step_ops` says where they apply);
 - keys and values are appended in place into the preallocated cache of ``kv.growing_cache`` (the cache the
   prefill filled, with room for the replies), so cross-turn reuse and dropping finished rows work unchanged;
 - attention stacks the query heads that share a key/value head as its query rows (no grouped-query expansion
@@ -69,6 +73,7 @@ from ragen_core.rollout.generators.cpu_attention import (
     pack_panels,
     panel_linear,
     panels_pay,
+    step_ops,
 )
 
 __all__ = ["LlamaDecodeStep", "SharedPrefix", "decode_step_for"]
@@ -349,19 +354,31 @@ class LlamaDecodeStep:
             own_mask = additive[:, prefix.width :]  # [B, S] the columns after the shared ones (this step's included)
             shared_mask = prefix.additive(x.dtype)
         k_end = (nh + nkv) * d
-        for i, (layer, kv) in enumerate(zip(self._layers, cast(list[Any], cache.layers), strict=True)):
-            h = self._rms(x, layer.norm1)
-            qkv = self._linear(h, layer.qkv, layer.qkv_bias)  # [B, (nh + 2 nkv) d]
-            qk = qkv[:, :k_end].view(b, nh + nkv, 1, d)
-            qk = qk * cos + _rotate_half(qk) * sin  # rotary on the query and key heads at once
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, k_end:].view(b, nkv, 1, d)
-            keys, values = kv.update(k, v)  # [B, nkv, W + 1, d] views of the preallocated cache
+        layers = cast(list[Any], cache.layers)
+        ops = self._step_ops(x, layers)
+        if ops is not None:
+            rows_cos, rows_sin = cos.reshape(b, d), sin.reshape(b, d)  # [B, d] each
+            low = self.matmul_dtype == torch.bfloat16
+        for i, (layer, kv) in enumerate(zip(self._layers, layers, strict=True)):
             # One query token per row: the nh // nkv query heads that share a key/value head become that
             # head's query rows, so attention reads each cached key and value once, with no GQA expansion
             # (heads h*g .. h*g+g-1 use kv head h, as transformers' repeat_kv orders them). Measured at batch
             # 64 over a 240-token cache: 48 ms for 30 layers against 56 with enable_gqa.
-            q = q.reshape(b, nkv, nh // nkv, d)
+            if ops is not None:  # the same arithmetic in fewer, fused ops (_step_ops)
+                qkv = self._linear(ops.rms_norm_to(x, layer.norm1, self.eps, low), layer.qkv, layer.qkv_bias,
+                                   keep=True)  # [B, (nh + 2 nkv) d] in the matmuls' dtype
+                k_buf, v_buf, slot = kv.grow(1)
+                q = ops.rotary_kv(qkv, rows_cos, rows_sin, k_buf, v_buf, slot, nh, nkv)  # [B, nkv, nh // nkv, d]
+                keys, values = kv.keys, kv.values  # [B, nkv, W + 1, d] views of the preallocated cache
+            else:
+                h = self._rms(x, layer.norm1)
+                qkv = self._linear(h, layer.qkv, layer.qkv_bias)  # [B, (nh + 2 nkv) d]
+                qk = qkv[:, :k_end].view(b, nh + nkv, 1, d)
+                qk = qk * cos + _rotate_half(qk) * sin  # rotary on the query and key heads at once
+                q, k = qk[:, :nh], qk[:, nh:]
+                v = qkv[:, k_end:].view(b, nkv, 1, d)
+                keys, values = kv.update(k, v)  # [B, nkv, W + 1, d] views of the preallocated cache
+                q = q.reshape(b, nkv, nh // nkv, d)
             if prefix is not None:
                 # one kernel call: each row's softmax over its group's shared columns, then its own
                 shared = Shared(prefix.keys_t(i), prefix.values32(i), shared_mask, prefix.source)
@@ -373,12 +390,30 @@ class LlamaDecodeStep:
                 a = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=attn_mask,
                                                    scale=self.scale)
             x = x + self._linear(a.reshape(b, nh * d), layer.o, layer.o_bias, keep=True)
-            h = self._rms(x, layer.norm2)
-            gate, up = self._linear(h, layer.gate_up, keep=True).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer.down, keep=True)
+            if ops is not None:
+                gate_up = self._linear(ops.rms_norm_to(x, layer.norm2, self.eps, low), layer.gate_up, keep=True)
+                x = x + self._linear(ops.silu_mul(gate_up), layer.down, keep=True)
+            else:
+                h = self._rms(x, layer.norm2)
+                gate, up = self._linear(h, layer.gate_up, keep=True).chunk(2, dim=-1)
+                x = x + self._linear(F.silu(gate) * up, layer.down, keep=True)
         hidden = self._rms(x, self._final_norm)  # [B, H] the last hidden state (a value head reads it)
         self.last_hidden = hidden
         return self._linear(hidden, self._head)
+
+    def _step_ops(self, x: torch.Tensor, layers: list[Any]) -> Any | None:
+        """cpu_attention's fused small ops for this step, or None (the separate torch ops then run). They apply on
+        a CPU build of the kernel, to an fp32 residual stream with matmuls in fp32 or bf16 on packed weights (oneDNN
+        or panels: a contiguous [B, N] output), over growing caches (``kv.grow``) of a head size the kernel reads.
+        Per layer they replace the norms' casts to the matmuls' dtype, the query and key heads' cast back to fp32,
+        rotary's seven ops, the cache writes and the MLP's split, SiLU and product: at 17 rows a step over a
+        600-token cache, SmolLM2 with bf16 matmuls, a step took 36.2-36.3 ms against 41.3-44.3 ms
+        (docs/benchmarks.md)."""
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or not self.packed or self.head_dim % 2
+                or self.matmul_dtype not in (torch.float32, torch.bfloat16)
+                or not all(hasattr(kv, "grow") for kv in layers)):
+            return None
+        return step_ops()
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,

@@ -115,14 +115,21 @@ class _GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> LayerKV:
         n = key_states.shape[-2]
+        k, v, start = self.grow(n)
+        k[..., start : start + n, :] = key_states
+        v[..., start : start + n, :] = value_states
+        return self.keys, self.values
+
+    def grow(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Make room for ``n`` more columns and count them in: (keys buffer, values buffer [..., capacity, D],
+        the first new column). The caller writes the new columns into the buffers before reading ``keys``."""
         if self._length + n > self._k.shape[-2]:
             grown = max(2 * self._k.shape[-2], self._length + n)
             self._k, self._v = _with_room(self.keys, grown), _with_room(self.values, grown)
-        self._k[..., self._length : self._length + n, :] = key_states
-        self._v[..., self._length : self._length + n, :] = value_states
+        start = self._length
         self._length += n
         self._refresh()
-        return self.keys, self.values
+        return self._k, self._v, start
 
     def get_seq_length(self) -> int:
         return self._length

@@ -241,7 +241,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = """
 import sys, pytest, torch
 assert str(torch.backends.cpu.get_cpu_capability()) == sys.argv[1], torch.backends.cpu.get_cpu_capability()
-chosen = "(matches or shared or no_real or wholly or builds or panel) and not avx2_cpu"
+chosen = "(matches or shared or no_real or wholly or builds or panel or step_ops) and not avx2_cpu"
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", chosen]))
 """
 
@@ -256,3 +256,74 @@ def test_the_build_for_an_avx2_cpu_matches_too() -> None:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.usefixtures("needs_compiler")
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_step_ops_match_the_torch_ops_they_replace(rows):
+    """The decode step's fused small ops (cpu_attention.step_ops) against the torch ops of the unfused step, at widths
+    that leave a vector tail: the norm to float32 within rounding and to bf16 as the cast of torch's result (within
+    one bf16 rounding), SiLU times up as torch rounds it, and the rotary embedding with the cache writes
+    within float32 rounding, for every input and cache dtype, on a strided projection output."""
+    from ragen_core.rollout.generators.decode_step import _rotate_half
+
+    ops = cpu_attention.step_ops()
+    assert ops is not None
+    x, w = torch.randn(rows, 72) * 3, torch.randn(72)
+    norm = F.rms_norm(x, (72,), w, 1e-5)
+    torch.testing.assert_close(ops.rms_norm_to(x, w, 1e-5, False), norm, rtol=1e-6, atol=1e-6)
+    low = ops.rms_norm_to(x, w, 1e-5, True)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), norm.bfloat16().float(), rtol=2**-8, atol=1e-6)
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up = (torch.randn(rows, 2 * 45) * 4).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        fused, separate = ops.silu_mul(gate_up), F.silu(gate) * up
+        assert fused.dtype == dtype
+        # the vector tail's exp may differ from torch's in the last float32 bit, which can move a bf16 rounding
+        torch.testing.assert_close(fused, separate, rtol=1e-6 if dtype == torch.float32 else 2**-7, atol=1e-7)
+        assert (fused == separate).float().mean() >= 0.95
+    nh, nkv, d = 6, 2, 32
+    for dtype in (torch.float32, torch.bfloat16):
+        for cache_dtype in (torch.float32, torch.bfloat16):
+            wide = torch.randn(rows, (nh + 2 * nkv) * d + 8).to(dtype)
+            qkv = wide[:, 8:]  # a row stride wider than the row
+            cos, sin = torch.randn(rows, d), torch.randn(rows, d)
+            k_cache = torch.zeros(rows, nkv, 5, d, dtype=cache_dtype)
+            v_cache = torch.zeros(rows, nkv, 5, d, dtype=cache_dtype)
+            q = ops.rotary_kv(qkv, cos, sin, k_cache, v_cache, 3, nh, nkv)
+            qk = qkv[:, : (nh + nkv) * d].float().view(rows, nh + nkv, 1, d)
+            rotated = qk * cos[:, None, None] + _rotate_half(qk) * sin[:, None, None]
+            assert q.dtype == torch.float32 and q.shape == (rows, nkv, nh // nkv, d)
+            torch.testing.assert_close(q, rotated[:, :nh].reshape(rows, nkv, nh // nkv, d), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(k_cache[:, :, 3], rotated[:, nh:, 0].to(cache_dtype), rtol=2**-8, atol=1e-6)
+            torch.testing.assert_close(v_cache[:, :, 3], qkv[:, (nh + nkv) * d :].view(rows, nkv, d).to(cache_dtype),
+                                       rtol=0, atol=0)
+            others = torch.cat([k_cache[:, :, :3], k_cache[:, :, 4:], v_cache[:, :, :3], v_cache[:, :, 4:]], dim=2)
+            assert not others.any()  # only column 3 is written
+
+
+@pytest.mark.usefixtures("needs_compiler")
+def test_step_ops_refuse_bad_inputs_with_a_clear_error():
+    """Wrong shapes, dtypes or layouts: an error that names the op and what it takes, and the caches untouched."""
+    ops = cpu_attention.step_ops()
+    assert ops is not None
+    with pytest.raises(RuntimeError, match="rms_norm_to: x \\[M, H\\] and w \\[H\\], float32"):
+        ops.rms_norm_to(torch.randn(2, 8), torch.randn(7), 1e-5, True)
+    with pytest.raises(RuntimeError, match="rms_norm_to"):
+        ops.rms_norm_to(torch.randn(2, 8).double(), torch.randn(8).double(), 1e-5, True)
+    with pytest.raises(RuntimeError, match="silu_mul: gate_up \\[M, 2I\\]"):
+        ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="silu_mul: float32 or bfloat16"):
+        ops.silu_mul(torch.randn(2, 8).half())
+    k_cache, v_cache = torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4, 8)
+    cos, sin = torch.randn(2, 8), torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="rotary_kv: shapes do not match"):  # qkv for 2 query heads, not 1
+        ops.rotary_kv(torch.randn(2, 4 * 8), cos, sin, k_cache, v_cache, 0, 1, 1)
+    with pytest.raises(RuntimeError, match="rotary_kv: shapes do not match"):  # the slot past the capacity
+        ops.rotary_kv(torch.randn(2, 3 * 8), cos, sin, k_cache, v_cache, 4, 1, 1)
+    with pytest.raises(RuntimeError, match="rotary_kv: cos, sin \\[B, d\\] float32"):
+        ops.rotary_kv(torch.randn(2, 3 * 8), cos[:1], sin, k_cache, v_cache, 0, 1, 1)
+    with pytest.raises(RuntimeError, match="rotary_kv: float32 or bfloat16"):
+        ops.rotary_kv(torch.randn(2, 3 * 8).half(), cos, sin, k_cache, v_cache, 0, 1, 1)
+    assert not k_cache.any() and not v_cache.any()

@@ -432,3 +432,52 @@ def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: boo
         assert (fast - fp32).abs().max() > 1e-3
         assert {t.dtype for layer in cache_layers(bf_cache) for t in layer} == {cache_dtype}
         ids = fp32.argmax(-1)
+
+
+@pytest.mark.parametrize(("compute", "matmuls"), [(torch.float32, "panels"), (torch.float32, "onednn"),
+                                                  (torch.bfloat16, "onednn")], ids=["fp32-panels", "fp32", "bf16"])
+def test_the_fused_small_ops_compute_what_the_separate_ops_compute(compute: torch.dtype, matmuls: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where cpu_attention's step ops are built, a step runs its norms, rotary embedding, cache writes and SiLU
+    through them (each once per layer); the logits and every cache column are those of the same step with the
+    separate torch ops, within float rounding, over steps that outgrow the cache's room (grouped query heads, a
+    padded batch, fp32 and bf16 matmuls)."""
+    require(cpu_attention.kernel_available(), "the CPU kernel is not built (no compiler?)")
+    monkeypatch.setattr(decode_step, "panels_pay", lambda: matmuls == "panels")  # bf16 matmuls never use panels
+    model, _ = _tiny(seed=5, heads="grouped")
+    calls: list[str] = []
+    real = cpu_attention.step_ops()
+
+    class Counted:
+        def __getattr__(self, name: str):
+            def call(*args, **kwargs):
+                calls.append(name)
+                return getattr(real, name)(*args, **kwargs)
+            return call
+
+    prompts = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]]
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(decode_step, "step_ops", (lambda: Counted()) if fused else (lambda: None))
+        step = decode_step_for(model, compute)
+        assert step is not None
+        step._build()
+        assert step.packed and step.panels == (matmuls == "panels")
+        prefilled, mask = _prefilled(model, prompts)
+        cache = growing_cache([(k.to(compute), v.to(compute)) for k, v in cache_layers(prefilled)], room=1)
+        ids, logits = torch.tensor([17, 3, 25]), []
+        for _ in range(3):
+            positions = mask.sum(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=torch.long)], dim=1)
+            logits.append(step.step(ids, positions[:, 0], mask, cache))
+            ids = torch.tensor([4, 29, 11])
+        results[fused] = (torch.stack(logits), cache_layers(cache))
+    layers = model.config.num_hidden_layers
+    assert calls.count("rms_norm_to") == 2 * 3 * layers and calls.count("rotary_kv") == 3 * layers
+    assert calls.count("silu_mul") == 3 * layers
+    tol = {"rtol": 1e-5, "atol": 1e-5} if compute == torch.float32 else {"rtol": 0, "atol": 2e-2}
+    torch.testing.assert_close(results[True][0], results[False][0], **tol)
+    for (fk, fv), (sk, sv) in zip(results[True][1], results[False][1], strict=True):
+        assert fk.dtype == sk.dtype == compute and fk.shape == sk.shape
+        torch.testing.assert_close(fk.float(), sk.float(), **tol)
+        torch.testing.assert_close(fv.float(), sv.float(), **tol)
