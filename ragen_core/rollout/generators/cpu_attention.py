@@ -651,6 +651,10 @@ int64_t panel_width() {
 // ---- the decode step's small ops, fused (decode_step.py): a step's rows are few, so each of these is a pass over
 // a few kilobytes, which costs less than calling the separate torch ops it replaces.
 
+// Rows of `width` elements per parallel task: a decode step's few rows run on the calling thread (a parallel
+// region costs more than they do), a prefill's thousands are split between the threads.
+inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
+
 // A float vector rounded to bf16 and back (to-nearest-even, as torch's casts round).
 inline std::tuple<VecF, VecF> round_bf16(const VecF& a, const VecF& b) {
   return at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(a, b));
@@ -665,19 +669,21 @@ at::Tensor rms_norm_to(const at::Tensor& x, const at::Tensor& w, double eps, boo
   at::Tensor out = at::empty({M, H}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  std::vector<float> row(H);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = xp + m * xs;
-    const float ss = at::vec::map_reduce_all<float>([](VecF v) { return v * v; },
-                                                    [](VecF a, VecF b) { return a + b; }, xr, H);
-    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-    at::vec::map2<float>([r](VecF a, VecF b) { return b * (a * VecF(r)); }, row.data(), xr, wp, H);
-    if (bf16) {
-      at::vec::convert(row.data(), out.data_ptr<c10::BFloat16>() + m * H, H);
-    } else {
-      std::copy(row.begin(), row.end(), out.data_ptr<float>() + m * H);
+  at::parallel_for(0, M, rows_per_task(H), [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(H);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = xp + m * xs;
+      const float ss = at::vec::map_reduce_all<float>([](VecF v) { return v * v; },
+                                                      [](VecF a, VecF b) { return a + b; }, xr, H);
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      at::vec::map2<float>([r](VecF a, VecF b) { return b * (a * VecF(r)); }, row.data(), xr, wp, H);
+      if (bf16) {
+        at::vec::convert(row.data(), out.data_ptr<c10::BFloat16>() + m * H, H);
+      } else {
+        std::copy(row.begin(), row.end(), out.data_ptr<float>() + m * H);
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -757,32 +763,36 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   if (gate_up.scalar_type() == at::kFloat) {
     const float* src = gate_up.data_ptr<float>();
     float* dst = out.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      at::vec::map2<float>([&](VecF g, VecF u) { return silu(g) * u; }, dst + m * I, src + m * rs,
-                           src + m * rs + I, I);
+    at::parallel_for(0, M, rows_per_task(I), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        at::vec::map2<float>([&](VecF g, VecF u) { return silu(g) * u; }, dst + m * I, src + m * rs,
+                             src + m * rs + I, I);
+    });
     return out;
   }
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16");
   using VecB = at::vec::Vectorized<c10::BFloat16>;
   const c10::BFloat16* src = gate_up.data_ptr<c10::BFloat16>();
   c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
-  for (int64_t m = 0; m < M; ++m) {
-    const c10::BFloat16* g = src + m * rs;
-    const c10::BFloat16* u = g + I;
-    c10::BFloat16* o = dst + m * I;
-    int64_t i = 0;
-    for (; i + VecB::size() <= I; i += VecB::size()) {
-      const auto [g0, g1] = at::vec::convert_bfloat16_float(VecB::loadu(g + i));
-      const auto [u0, u1] = at::vec::convert_bfloat16_float(VecB::loadu(u + i));
-      const auto [s0, s1] = round_bf16(silu(g0), silu(g1));
-      at::vec::convert_float_bfloat16(s0 * u0, s1 * u1).store(o + i);
+  at::parallel_for(0, M, rows_per_task(I), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const c10::BFloat16* g = src + m * rs;
+      const c10::BFloat16* u = g + I;
+      c10::BFloat16* o = dst + m * I;
+      int64_t i = 0;
+      for (; i + VecB::size() <= I; i += VecB::size()) {
+        const auto [g0, g1] = at::vec::convert_bfloat16_float(VecB::loadu(g + i));
+        const auto [u0, u1] = at::vec::convert_bfloat16_float(VecB::loadu(u + i));
+        const auto [s0, s1] = round_bf16(silu(g0), silu(g1));
+        at::vec::convert_float_bfloat16(s0 * u0, s1 * u1).store(o + i);
+      }
+      for (; i < I; ++i) {
+        const float gi = static_cast<float>(g[i]);
+        const float s = static_cast<float>(static_cast<c10::BFloat16>(gi / (1.f + std::exp(-gi))));
+        o[i] = static_cast<c10::BFloat16>(s * static_cast<float>(u[i]));
+      }
     }
-    for (; i < I; ++i) {
-      const float gi = static_cast<float>(g[i]);
-      const float s = static_cast<float>(static_cast<c10::BFloat16>(gi / (1.f + std::exp(-gi))));
-      o[i] = static_cast<c10::BFloat16>(s * static_cast<float>(u[i]));
-    }
-  }
+  });
   return out;
 }
 }  // namespace

@@ -33,7 +33,8 @@ running the same arithmetic on the same weights directly, with the matmuls on pa
 - a step's rows are few, so its small ops cost their calls more than their arithmetic: on a CPU build of
   cpu_attention.py's kernel, each norm and its cast to the matmuls' dtype run as one op, the rotary embedding of
   the query and key heads with the keys' and values' cache writes as one, and the MLP's SiLU and product as one
-  (``cpu_attention.step_ops``; :meth:`LlamaDecodeStep._step_ops` says where they apply);
+  (``cpu_attention.step_ops``; :meth:`LlamaDecodeStep._fused_ops` says where they apply); a prefill runs its norms
+  and SiLU the same way (one pass over its rows where torch makes two or three);
 - keys and values are appended in place into the preallocated cache of ``kv.growing_cache`` (the cache the
   prefill filled, with room for the replies), so cross-turn reuse and dropping finished rows work unchanged;
 - attention stacks the query heads that share a key/value head as its query rows (no grouped-query expansion
@@ -355,7 +356,7 @@ class LlamaDecodeStep:
             shared_mask = prefix.additive(x.dtype)
         k_end = (nh + nkv) * d
         layers = cast(list[Any], cache.layers)
-        ops = self._step_ops(x, layers)
+        ops = self._fused_ops(x) if all(hasattr(kv, "grow") for kv in layers) else None
         if ops is not None:
             rows_cos, rows_sin = cos.reshape(b, d), sin.reshape(b, d)  # [B, d] each
             low = self.matmul_dtype == torch.bfloat16
@@ -364,7 +365,7 @@ class LlamaDecodeStep:
             # head's query rows, so attention reads each cached key and value once, with no GQA expansion
             # (heads h*g .. h*g+g-1 use kv head h, as transformers' repeat_kv orders them). Measured at batch
             # 64 over a 240-token cache: 48 ms for 30 layers against 56 with enable_gqa.
-            if ops is not None:  # the same arithmetic in fewer, fused ops (_step_ops)
+            if ops is not None:  # the same arithmetic in fewer, fused ops (_fused_ops)
                 qkv = self._linear(ops.rms_norm_to(x, layer.norm1, self.eps, low), layer.qkv, layer.qkv_bias,
                                    keep=True)  # [B, (nh + 2 nkv) d] in the matmuls' dtype
                 k_buf, v_buf, slot = kv.grow(1)
@@ -401,17 +402,17 @@ class LlamaDecodeStep:
         self.last_hidden = hidden
         return self._linear(hidden, self._head)
 
-    def _step_ops(self, x: torch.Tensor, layers: list[Any]) -> Any | None:
-        """cpu_attention's fused small ops for this step, or None (the separate torch ops then run). They apply on
-        a CPU build of the kernel, to an fp32 residual stream with matmuls in fp32 or bf16 on packed weights (oneDNN
-        or panels: a contiguous [B, N] output), over growing caches (``kv.grow``) of a head size the kernel reads.
-        Per layer they replace the norms' casts to the matmuls' dtype, the query and key heads' cast back to fp32,
-        rotary's seven ops, the cache writes and the MLP's split, SiLU and product: at 17 rows a step over a
-        600-token cache, SmolLM2 with bf16 matmuls, a step took 36.2-36.3 ms against 41.3-44.3 ms
-        (docs/benchmarks.md)."""
+    def _fused_ops(self, x: torch.Tensor) -> Any | None:
+        """cpu_attention's fused small ops for a step or prefill of the residual stream ``x``, or None (the separate
+        torch ops then run). They apply on a CPU build of the kernel, to an fp32 residual stream with matmuls in fp32
+        or bf16 on packed weights (oneDNN or panels: a contiguous [B, N] output); a step's rotary embedding and cache
+        append also need growing caches (``kv.grow``). Per layer of a step they replace the norms' casts to the
+        matmuls' dtype, the query and key heads' cast back to fp32, rotary's seven ops, the cache writes and the
+        MLP's split, SiLU and product: at 17 rows a step over a 600-token cache, SmolLM2 with bf16 matmuls, a step
+        took 36.2-36.3 ms against 41.3-44.3 ms (docs/benchmarks.md). A prefill fuses its norms with their casts and
+        its SiLU with the product."""
         if (x.device.type != "cpu" or x.dtype != torch.float32 or not self.packed or self.head_dim % 2
-                or self.matmul_dtype not in (torch.float32, torch.bfloat16)
-                or not all(hasattr(kv, "grow") for kv in layers)):
+                or self.matmul_dtype not in (torch.float32, torch.bfloat16)):
             return None
         return step_ops()
 
@@ -440,9 +441,15 @@ class LlamaDecodeStep:
         # the g query heads that share a key/value head as its query rows (as in step): [B, 1, g·T, W]
         attn_mask = additive[:, None, None].expand(b, 1, g, t, width).reshape(b, 1, g * t, width)
         k_end = (nh + nkv) * d
+        ops = self._fused_ops(x)
+        low = self.matmul_dtype == torch.bfloat16
         for layer, kv in zip(self._layers, cast(list[Any], cache.layers), strict=True):
-            h = self._rms(x, layer.norm1)
-            qkv = self._linear(h.view(b * t, -1), layer.qkv, layer.qkv_bias).view(b, t, -1)
+            if ops is not None:  # the norm's output in the matmuls' dtype; rotary below in fp32, as without
+                qkv = self._linear(ops.rms_norm_to(x.view(b * t, -1), layer.norm1, self.eps, low), layer.qkv,
+                                   layer.qkv_bias, keep=True).float().view(b, t, -1)
+            else:
+                h = self._rms(x, layer.norm1)
+                qkv = self._linear(h.view(b * t, -1), layer.qkv, layer.qkv_bias).view(b, t, -1)
             qk = qkv[..., :k_end].view(b, t, nh + nkv, d).transpose(1, 2)  # [B, nh + nkv, T, d]
             qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk[:, :nh], qk[:, nh:]
@@ -453,9 +460,14 @@ class LlamaDecodeStep:
             # reshape: CUDA's kernels may return [B, nkv, g·T, d] in another memory layout than a CPU's
             a = a.reshape(b, nh, t, d).transpose(1, 2).reshape(b * t, nh * d)
             x = x + self._linear(a, layer.o, layer.o_bias, keep=True).view(b, t, -1)
-            h = self._rms(x, layer.norm2).view(b * t, -1)
-            gate, up = self._linear(h, layer.gate_up, keep=True).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer.down, keep=True).view(b, t, -1)
+            if ops is not None:
+                gate_up = self._linear(ops.rms_norm_to(x.view(b * t, -1), layer.norm2, self.eps, low),
+                                       layer.gate_up, keep=True)
+                x = x + self._linear(ops.silu_mul(gate_up), layer.down, keep=True).view(b, t, -1)
+            else:
+                h = self._rms(x, layer.norm2).view(b * t, -1)
+                gate, up = self._linear(h, layer.gate_up, keep=True).chunk(2, dim=-1)
+                x = x + self._linear(F.silu(gate) * up, layer.down, keep=True).view(b, t, -1)
         hidden = self._rms(x[:, -1], self._final_norm)  # [B, H]
         self.last_hidden = hidden
         return self._linear(hidden, self._head)
