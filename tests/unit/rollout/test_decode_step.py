@@ -439,9 +439,9 @@ def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: boo
 def test_the_fused_small_ops_compute_what_the_separate_ops_compute(compute: torch.dtype, matmuls: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Where cpu_attention's step ops are built, a step runs its norms, rotary embedding, cache writes and SiLU
-    through them (each once per layer); the logits and every cache column are those of the same step with the
-    separate torch ops, within float rounding, over steps that outgrow the cache's room (grouped query heads, a
-    padded batch, fp32 and bf16 matmuls)."""
+    through them (each once per layer), and a prefill its norms and SiLU; the logits and every cache column are
+    those of the same steps and prefill with the separate torch ops, within float rounding, over steps that outgrow
+    the cache's room (grouped query heads, a padded batch, fp32 and bf16 matmuls)."""
     require(cpu_attention.kernel_available(), "the CPU kernel is not built (no compiler?)")
     monkeypatch.setattr(decode_step, "panels_pay", lambda: matmuls == "panels")  # bf16 matmuls never use panels
     model, _ = _tiny(seed=5, heads="grouped")
@@ -471,10 +471,15 @@ def test_the_fused_small_ops_compute_what_the_separate_ops_compute(compute: torc
             mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=torch.long)], dim=1)
             logits.append(step.step(ids, positions[:, 0], mask, cache))
             ids = torch.tensor([4, 29, 11])
+        # then a next turn's prefill of 30 tokens a row: 90 rows, which the fused ops split between threads
+        new = torch.randint(1, 60, (3, 30), generator=torch.Generator().manual_seed(1))
+        positions = mask.sum(-1, keepdim=True) + torch.arange(30)
+        mask = torch.cat([mask, torch.ones(3, 30, dtype=torch.long)], dim=1)
+        logits.append(step.prefill(new, positions, mask, cache))
         results[fused] = (torch.stack(logits), cache_layers(cache))
     layers = model.config.num_hidden_layers
-    assert calls.count("rms_norm_to") == 2 * 3 * layers and calls.count("rotary_kv") == 3 * layers
-    assert calls.count("silu_mul") == 3 * layers
+    assert calls.count("rms_norm_to") == 2 * 4 * layers and calls.count("rotary_kv") == 3 * layers
+    assert calls.count("silu_mul") == 4 * layers
     tol = {"rtol": 1e-5, "atol": 1e-5} if compute == torch.float32 else {"rtol": 0, "atol": 2e-2}
     torch.testing.assert_close(results[True][0], results[False][0], **tol)
     for (fk, fv), (sk, sv) in zip(results[True][1], results[False][1], strict=True):
