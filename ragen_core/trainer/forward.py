@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ragen_core.algos import losses
 from ragen_core.models.causal_lm import causal_lm, unwrap_lora
+from ragen_core.trainer import attention
 
 __all__ = [
     "MIN_SHARED_PREFIX",
@@ -149,7 +150,7 @@ def can_share(decoder: nn.Module) -> bool:
     return getattr(config, "sliding_window", None) is None
 
 
-PACKED_ATTENTION = ("sdpa", "eager")
+PACKED_ATTENTION = ("sdpa", "eager", attention.NAME)
 """Attention implementations that take the packed row's block-diagonal 4D mask as it is (flash-attention
 kernels read only padding from a mask)."""
 
@@ -175,6 +176,11 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
     Not used under gradient checkpointing, which switches the cache off, nor with sliding-window
     layers.
     """
+    with attention.use_segment_attention(decoder):
+        return _hidden_states(decoder, input_ids, attention_mask)
+
+
+def _hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     mask = attention_mask.long()
     groups = [g for g in shared_prefix_groups(input_ids, attention_mask) if g[1] > 0] if can_share(decoder) else []
     if not groups:
@@ -418,9 +424,12 @@ def packed_group(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, pre
     at = torch.cat([torch.arange(prefix, device=ids.device), positions])[None]  # [1, prefix + S]
     config = decoder.config
     lengths = [int(t) for t in tails.tolist()]
-    split = getattr(config, "_attn_implementation", None) == "sdpa" and split_pays(lengths, prefix)
+    implementation = getattr(config, "_attn_implementation", None)
+    split = implementation in ("sdpa", attention.NAME) and split_pays(lengths, prefix)
     extra = {"packed_rows": PackedRows.of(lengths, prefix, ids.device)} if split else {}
-    with _attention_implementation(config, SPLIT_ATTENTION) if split else contextlib.nullcontext():
+    # the segment attention function splits by itself where its kernel does not run
+    switch = split and implementation == "sdpa"
+    with _attention_implementation(config, SPLIT_ATTENTION) if switch else contextlib.nullcontext():
         out = decoder(input_ids=seq, attention_mask=mask[None, None], position_ids=at, use_cache=False,
                       **extra).last_hidden_state[0]  # [prefix + S, H]
     shared = out[:prefix].expand(n, -1, -1)  # [n, prefix, H]

@@ -40,7 +40,9 @@ come from memory, and oneDNN's AVX2 kernels wait for them: timed as a step runs 
 the output layer, each weight its own), 129 against 160 ms at 64 rows, 26 against 43 ms at 8 (docs/benchmarks.md).
 
 The build also carries the decode step's fused small ops (:func:`step_ops`: a norm with its cast, the rotary
-embedding with the cache append, SiLU times up), each one pass over a step's few rows where torch runs several ops.
+embedding with the cache append, SiLU times up), each one pass over a step's few rows where torch runs several ops,
+and the update's bf16 attention, forward and backward, for CPUs with AVX512-BF16 (:func:`segment_ops`; used by
+``ragen_core/trainer/attention.py``).
 
 No library offers this attention for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
 paged layout, torch's flash kernel is the one compared above. The source below is written into the build directory
@@ -85,7 +87,7 @@ from filelock import Timeout
 from ragen_core.torch_builds import exclusive_build
 
 __all__ = ["Panels", "Shared", "build_root", "compiler", "decode_attention", "kernel_available", "pack_panels",
-           "panel_linear", "panels_pay", "step_ops"]
+           "panel_linear", "panels_pay", "segment_ops", "step_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +109,10 @@ _SOURCE = r"""
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -795,6 +799,478 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   });
   return out;
 }
+
+// Training attention in bf16 (segment_attention_fwd / _bwd): each query i sees the keys [0, a_i) and [b_i, c_i]
+// (bounds [B, Lq, 3]), which covers a causal row, a right-padded one, and a packed row of a shared prompt and its
+// replies (trainer/forward.py). A block of 16 query positions times the query heads of one key head runs against
+// blocks of 64 keys, skipping those no row of the block sees; the products are vdpbf16ps (AVX512-BF16) on
+// operands packed in pairs along the sum, accumulated in fp32; the softmax is online, in fp32, as
+// FlashAttention-2 runs it. Only these functions carry the bf16 instructions (a target attribute), and
+// segment_attention_available() asks the CPU before any runs: the same build serves AVX512 CPUs without them.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define SEG_BF16 1
+#define SEG_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+namespace seg {
+constexpr int D = 64;    // head size
+constexpr int BK = 64;   // keys a block
+constexpr int BQ = 16;   // query positions a block (times the heads sharing a key head)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// C[r][0..63] (+)= sum over p < np of A's bf16 pair p of row r times Bp's pairs [p][0..63] (vdpbf16ps).
+// A: R rows of bf16, lda elements apart; Bp: [np][64] pairs as uint32; C: R rows of 64 floats, ldc apart.
+template <int R>
+SEG_TARGET inline void mk(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint32_t* Bp, int np,
+                          bool accumulate) {
+  __m512 c[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) c[r][v] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int p = 0; p < np; ++p) {
+    const uint32_t* b = Bp + p * 64;
+    __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+    __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+    __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 32);
+    __m512bh b3 = (__m512bh)_mm512_loadu_si512(b + 48);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + r * lda + 2 * p, 4);
+      __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      c[r][0] = _mm512_dpbf16_ps(c[r][0], a, b0);
+      c[r][1] = _mm512_dpbf16_ps(c[r][1], a, b1);
+      c[r][2] = _mm512_dpbf16_ps(c[r][2], a, b2);
+      c[r][3] = _mm512_dpbf16_ps(c[r][3], a, b3);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
+}
+
+// rows (a multiple of 4) of A against Bp: 4 rows a tile
+SEG_TARGET inline void mm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint32_t* Bp, int np,
+                          int rows, bool accumulate) {
+  for (int r = 0; r < rows; r += 4) mk<4>(C + r * ldc, ldc, A + r * lda, lda, Bp, np, accumulate);
+}
+
+SEG_TARGET inline void to_bf16(const float* src, uint16_t* dst, int n) {  // n a multiple of 16
+  for (int i = 0; i < n; i += 16)
+    _mm256_storeu_si256((__m256i*)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+}
+
+// Pairs along the columns of 64 rows of 64 (keys): out[p][j] = (x[j][2p], x[j][2p + 1]) for p < 32.
+// Rows j >= n are zero.
+inline void pack_t(const uint16_t* x, int64_t ldx, int n, uint32_t* out) {
+  for (int j = 0; j < BK; ++j) {
+    if (j < n) {
+      const uint16_t* row = x + j * ldx;
+      for (int p = 0; p < D / 2; ++p) out[p * 64 + j] = uint32_t(row[2 * p]) | (uint32_t(row[2 * p + 1]) << 16);
+    } else {
+      for (int p = 0; p < D / 2; ++p) out[p * 64 + j] = 0;
+    }
+  }
+}
+
+// Pairs along the rows of rows x 64: out[p][c] = (x[2p][c], x[2p + 1][c]); rows >= n are zero; rows even.
+inline void pack_v(const uint16_t* x, int64_t ldx, int n, int rows, uint32_t* out) {
+  for (int p = 0; p < rows / 2; ++p) {
+    const int r0 = 2 * p, r1 = 2 * p + 1;
+    for (int c = 0; c < D; ++c) {
+      const uint32_t lo = r0 < n ? x[r0 * ldx + c] : 0, hi = r1 < n ? x[r1 * ldx + c] : 0;
+      out[p * 64 + c] = lo | (hi << 16);
+    }
+  }
+}
+
+struct Shape {
+  int64_t B, Hq, Hkv, G, Lq, Lk, nqb, nkb;
+};
+
+// The key range the queries of one block may see: [0, lo) and [hi0, hi1] (union over the block's rows).
+struct Span {
+  int32_t lo, hi0, hi1;
+  bool needs(int kb) const {
+    const int32_t k0 = kb * BK, k1 = k0 + BK;  // [k0, k1)
+    return (k0 < lo) || (hi0 <= hi1 && k0 <= hi1 && k1 > hi0);
+  }
+};
+
+inline Span span_of(const int32_t* bounds, int64_t Lq, int64_t qb) {  // bounds [Lq][3]
+  Span s{0, std::numeric_limits<int32_t>::max(), -1};
+  for (int64_t i = qb * BQ; i < std::min<int64_t>(Lq, (qb + 1) * BQ); ++i) {
+    const int32_t a = bounds[3 * i], b = bounds[3 * i + 1], c = bounds[3 * i + 2];
+    s.lo = std::max(s.lo, a);
+    if (b <= c) {
+      s.hi0 = std::min(s.hi0, b);
+      s.hi1 = std::max(s.hi1, c);
+    }
+  }
+  return s;
+}
+
+// s[0..63] of one row: scaled, keys the row may not see set to -inf. Returns the row's max. valid (nullable):
+// the row's key flags from key k0 on (n of them readable), which the first range [0, a) also needs.
+SEG_TARGET inline float mask_scale(float* s, int k0, int32_t a, int32_t b, int32_t c, float scale,
+                                   const uint8_t* valid = nullptr, int64_t n = 0) {
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i va = _mm512_set1_epi32(a), vb = _mm512_set1_epi32(b), vc = _mm512_set1_epi32(c);
+  const __m512 ninf = _mm512_set1_ps(NEG_INF), vs = _mm512_set1_ps(scale);
+  __m512 mx = ninf;
+  for (int v = 0; v < 4; ++v) {
+    const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(k0 + 16 * v));
+    __mmask16 first = _mm512_cmplt_epi32_mask(j, va);
+    if (valid != nullptr) {
+      const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, n - 16 * v));
+      const __m128i flags = _mm_maskz_loadu_epi8(__mmask16((1u << left) - 1u), valid + 16 * v);
+      first &= _mm_cmpneq_epi8_mask(flags, _mm_setzero_si128());
+    }
+    const __mmask16 ok = first | (_mm512_cmpge_epi32_mask(j, vb) & _mm512_cmple_epi32_mask(j, vc));
+    const __m512 x = _mm512_mask_blend_ps(ok, ninf, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * v), vs));
+    _mm512_storeu_ps(s + 16 * v, x);
+    mx = _mm512_max_ps(mx, x);
+  }
+  return _mm512_reduce_max_ps(mx);
+}
+
+using Vec = at::vec::Vectorized<float>;
+
+// The forward of one (batch, key head, query block): online softmax over the key blocks its rows need.
+SEG_TARGET void forward_block(const Shape& sh, int64_t b, int64_t kvh, int64_t qb, const uint16_t* q,
+                              const int64_t* qs, const uint32_t* kt, const uint32_t* vv, const int32_t* bounds,
+                              const uint8_t* valid, float scale, uint16_t* out, const int64_t* os, float* lse,
+                              uint16_t* qbuf, float* S, uint16_t* P, float* O, float* m, float* l) {
+  const int rows = int(sh.G) * BQ;
+  const int64_t i0 = qb * BQ;
+  const int32_t* bd = bounds + b * sh.Lq * 3;
+  for (int g = 0; g < sh.G; ++g)
+    for (int t = 0; t < BQ; ++t) {
+      uint16_t* dst = qbuf + (g * BQ + t) * D;
+      if (i0 + t < sh.Lq)
+        std::memcpy(dst, q + b * qs[0] + (kvh * sh.G + g) * qs[1] + (i0 + t) * qs[2], D * 2);
+      else
+        std::memset(dst, 0, D * 2);
+    }
+  for (int r = 0; r < rows; ++r) m[r] = NEG_INF, l[r] = 0.f;
+  std::memset(O, 0, sizeof(float) * rows * D);
+  const Span span = span_of(bd, sh.Lq, qb);
+  const int64_t kv_off = (b * sh.Hkv + kvh) * sh.nkb;
+  for (int kb = 0; kb < sh.nkb; ++kb) {
+    if (!span.needs(kb)) continue;
+    mm(S, BK, qbuf, D, kt + (kv_off + kb) * 32 * 64, D / 2, rows, false);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r % BQ;
+      float* s = S + r * BK;
+      uint16_t* p = P + r * BK;
+      const uint8_t* flags = valid == nullptr ? nullptr : valid + b * sh.Lk + kb * BK;
+      const float mx = i < sh.Lq ? mask_scale(s, kb * BK, bd[3 * i], bd[3 * i + 1], bd[3 * i + 2], scale, flags,
+                                              sh.Lk - kb * BK)
+                                 : NEG_INF;
+      if (mx == NEG_INF) {
+        std::memset(p, 0, BK * 2);
+        continue;
+      }
+      const float m_new = std::max(m[r], mx);
+      const float alpha = std::exp(m[r] - m_new);  // 0 at the first block the row sees
+      m[r] = m_new;
+      const Vec vm(m_new);
+      Vec sum(0.f);
+      for (int v = 0; v < BK; v += 16) {
+        const Vec e = (Vec::loadu(s + v) - vm).exp_u20();
+        e.store(s + v);
+        sum = sum + e;
+      }
+      l[r] = l[r] * alpha + at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+      to_bf16(s, p, BK);
+      if (alpha != 1.f) {
+        float* o = O + r * D;
+        for (int v = 0; v < D; v += 16) (Vec::loadu(o + v) * Vec(alpha)).store(o + v);
+      }
+    }
+    mm(O, D, P, BK, vv + (kv_off + kb) * 32 * 64, BK / 2, rows, true);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int g = r / BQ;
+    const int64_t i = i0 + r % BQ;
+    if (i >= sh.Lq) continue;
+    const int64_t h = kvh * sh.G + g;
+    uint16_t* dst = out + b * os[0] + i * os[1] + h * os[2];
+    float* o = O + r * D;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int v = 0; v < D; v += 16) (Vec::loadu(o + v) * Vec(inv)).store(o + v);
+    to_bf16(o, dst, D);
+    lse[(b * sh.Hq + h) * sh.Lq + i] = l[r] > 0.f ? m[r] + std::log(l[r]) : std::numeric_limits<float>::infinity();
+  }
+}
+
+// Two rows of 64 floats as pairs along the rows: out[j] = (bf16(r0[j]), bf16(r1[j])).
+SEG_TARGET inline void pair_rows(const float* r0, const float* r1, uint32_t* out) {
+  for (int v = 0; v < 64; v += 16) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r0 + v)));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r1 + v)));
+    _mm512_storeu_si512(out + v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+// What the backward reads of one (batch, key head, query block): its rows (zero-padded) as the scores read them,
+// transposed [64][rows] as the key and value gradients read them, and each row's log-sum-exp and dO . O.
+struct QBlock {
+  std::vector<uint16_t> q, dout, qT, doutT;
+  std::vector<float> lse, delta;
+};
+
+// The backward of one (batch, key head, key block): over the query blocks that see it, the key and value
+// gradients of the block, and the query gradients' share from it (into this thread's dq, fp32).
+SEG_TARGET void backward_block(const Shape& sh, int64_t b, int64_t kvh, int64_t kb, const std::vector<QBlock>& qbl,
+                               const std::vector<Span>& spans, const uint32_t* kt, const uint32_t* vt,
+                               const uint32_t* kv, const int32_t* bounds, float scale, float* dq, uint16_t* dk,
+                               uint16_t* dv, float* S, float* dP, uint16_t* dSb, uint32_t* Pp, uint32_t* dSp,
+                               float* dKT, float* dVT) {
+  const int rows = int(sh.G) * BQ;
+  const int32_t* bd = bounds + b * sh.Lq * 3;
+  const int64_t kv_idx = (b * sh.Hkv + kvh) * sh.nkb + kb;
+  std::memset(dKT, 0, sizeof(float) * D * BK);
+  std::memset(dVT, 0, sizeof(float) * D * BK);
+  for (int64_t qb = 0; qb < sh.nqb; ++qb) {
+    const int64_t bq = (b * sh.Hkv + kvh) * sh.nqb + qb;
+    if (!spans[b * sh.nqb + qb].needs(int(kb))) continue;
+    const QBlock& blk = qbl[bq];
+    const int64_t i0 = qb * BQ;
+    mm(S, BK, blk.q.data(), D, kt + kv_idx * 32 * 64, D / 2, rows, false);
+    mm(dP, BK, blk.dout.data(), D, vt + kv_idx * 32 * 64, D / 2, rows, false);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r % BQ;
+      float* s = S + r * BK;
+      float* dp = dP + r * BK;
+      if (i >= sh.Lq) {
+        std::memset(s, 0, sizeof(float) * BK);
+        std::memset(dp, 0, sizeof(float) * BK);
+      } else {
+        mask_scale(s, int(kb) * BK, bd[3 * i], bd[3 * i + 1], bd[3 * i + 2], scale);
+        const Vec vl(blk.lse[r]), vd(blk.delta[r]), vs(scale);
+        for (int v = 0; v < BK; v += 16) {
+          const Vec p = (Vec::loadu(s + v) - vl).exp_u20();  // 0 where masked (-inf)
+          p.store(s + v);
+          (p * (Vec::loadu(dp + v) - vd) * vs).store(dp + v);  // the scores' gradient, times the scale
+        }
+      }
+      to_bf16(dp, dSb + r * BK, BK);
+    }
+    for (int p = 0; p < rows / 2; ++p) {
+      pair_rows(S + 2 * p * BK, S + (2 * p + 1) * BK, Pp + p * 64);
+      pair_rows(dP + 2 * p * BK, dP + (2 * p + 1) * BK, dSp + p * 64);
+    }
+    mm(dVT, BK, blk.doutT.data(), rows, Pp, rows / 2, D, true);   // dV^T [d][keys] += dO^T P
+    mm(dKT, BK, blk.qT.data(), rows, dSp, rows / 2, D, true);     // dK^T [d][keys] += Q^T dS
+    for (int g = 0; g < sh.G; ++g) {                             // dQ rows += dS K
+      const int64_t h = kvh * sh.G + g;
+      mm(dq + ((b * sh.Hq + h) * sh.nqb * BQ + i0) * D, D, dSb + g * BQ * BK, BK, kv + kv_idx * 32 * 64, BK / 2,
+         BQ, true);
+    }
+  }
+  const int n = int(std::min<int64_t>(BK, sh.Lk - kb * BK));
+  for (int j = 0; j < n; ++j) {
+    float krow[D], vrow[D];
+    for (int c = 0; c < D; ++c) krow[c] = dKT[c * BK + j], vrow[c] = dVT[c * BK + j];
+    const int64_t at = ((b * sh.Hkv + kvh) * sh.Lk + kb * BK + j) * D;
+    to_bf16(krow, dk + at, D);
+    to_bf16(vrow, dv + at, D);
+  }
+}
+
+// Keys and values of every (batch, key head, key block), packed for the products (pack_t: pairs along the
+// head size, as the scores read keys; pack_v: pairs along the keys, as the weighted sum reads values).
+void pack_kv(const Shape& sh, const uint16_t* x, const int64_t* xs, bool transposed, uint32_t* out) {
+  at::parallel_for(0, sh.B * sh.Hkv * sh.nkb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t kb = idx % sh.nkb, bh = idx / sh.nkb, b = bh / sh.Hkv, h = bh % sh.Hkv;
+      const uint16_t* src = x + b * xs[0] + h * xs[1] + kb * BK * xs[2];
+      const int n = int(std::min<int64_t>(BK, sh.Lk - kb * BK));
+      if (transposed)
+        pack_t(src, xs[2], n, out + idx * 32 * 64);
+      else
+        pack_v(src, xs[2], n, BK, out + idx * 32 * 64);
+    }
+  });
+}
+
+Shape shape_of(const at::Tensor& q, const at::Tensor& k) {
+  Shape sh;
+  sh.B = q.size(0), sh.Hq = q.size(1), sh.Lq = q.size(2), sh.Hkv = k.size(1), sh.Lk = k.size(2);
+  sh.G = sh.Hq / sh.Hkv;
+  sh.nqb = (sh.Lq + BQ - 1) / BQ, sh.nkb = (sh.Lk + BK - 1) / BK;
+  return sh;
+}
+
+// Runs work(item, thread) for item < n, items handed out one at a time (their costs differ: causal rows).
+template <typename F>
+void dynamic_for(int64_t n, F work) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t item = next++; item < n; item = next++) work(item, t);
+  });
+}
+}  // namespace seg
+#endif
+
+void segment_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bounds) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "segment_attention: q, k, v must be [B, H, L, 64]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "segment_attention: q, k, v must be bf16");
+  TORCH_CHECK(q.size(3) == 64 && k.size(3) == 64 && v.size(3) == 64, "segment_attention: head size must be 64");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "segment_attention: the head dimension must be contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes(), "segment_attention: k and v differ in shape");
+  TORCH_CHECK(q.size(0) == k.size(0) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "segment_attention: query heads must be a multiple of key heads");
+  TORCH_CHECK(bounds.scalar_type() == at::kInt && bounds.is_contiguous() && bounds.dim() == 3 &&
+                  bounds.size(0) == q.size(0) && bounds.size(1) == q.size(2) && bounds.size(2) == 3,
+              "segment_attention: bounds must be contiguous int32 [B, Lq, 3]");
+}
+
+bool segment_attention_available() {
+#if defined(SEG_BF16)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor> segment_attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, const at::Tensor& bounds,
+                                                          double scale, const std::optional<at::Tensor>& valid) {
+  segment_check(q, k, v, bounds);
+  TORCH_CHECK(!valid.has_value() || (valid->scalar_type() == at::kBool && valid->is_contiguous() &&
+                                     valid->dim() == 2 && valid->size(0) == q.size(0) && valid->size(1) == k.size(2)),
+              "segment_attention: valid must be contiguous bool [B, Lk]");
+  TORCH_CHECK(segment_attention_available(), "segment_attention: this CPU has no AVX512-BF16");
+#if defined(SEG_BF16)
+  using namespace seg;
+  const Shape sh = shape_of(q, k);
+  auto out = at::empty({sh.B, sh.Lq, sh.Hq, D}, q.options());
+  auto lse = at::empty({sh.B, sh.Hq, sh.Lq}, q.options().dtype(at::kFloat));
+  std::vector<uint32_t> kt(sh.B * sh.Hkv * sh.nkb * 32 * 64), vv(kt.size());
+  const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)}, os[3] = {out.stride(0), out.stride(1), out.stride(2)};
+  pack_kv(sh, (const uint16_t*)k.data_ptr(), ks, true, kt.data());
+  pack_kv(sh, (const uint16_t*)v.data_ptr(), vs, false, vv.data());
+  const int rows = int(sh.G) * BQ;
+  const int64_t threads = at::get_num_threads();
+  std::vector<uint16_t> qbuf(threads * rows * D), P(threads * rows * BK);
+  std::vector<float> S(threads * rows * BK), O(threads * rows * D), m(threads * rows), l(threads * rows);
+  const uint16_t* qp = (const uint16_t*)q.data_ptr();
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  float* lp = lse.data_ptr<float>();
+  const int32_t* bd = bounds.data_ptr<int32_t>();
+  const uint8_t* vp = valid.has_value() ? (const uint8_t*)valid->data_ptr() : nullptr;
+  dynamic_for(sh.B * sh.Hkv * sh.nqb, [&](int64_t item, int64_t t) {
+    const int64_t qb = sh.nqb - 1 - item % sh.nqb, bh = item / sh.nqb;  // the longest blocks first
+    forward_block(sh, bh / sh.Hkv, bh % sh.Hkv, qb, qp, qs, kt.data(), vv.data(), bd, vp, float(scale), op, os, lp,
+                  qbuf.data() + t * rows * D, S.data() + t * rows * BK, P.data() + t * rows * BK,
+                  O.data() + t * rows * D, m.data() + t * rows, l.data() + t * rows);
+  });
+  return {out, lse};
+#else
+  return {};
+#endif
+}
+
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_bwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& dout, const at::Tensor& bounds, double scale) {
+  segment_check(q, k, v, bounds);
+  TORCH_CHECK(segment_attention_available(), "segment_attention: this CPU has no AVX512-BF16");
+  TORCH_CHECK(out.sizes() == dout.sizes() && out.scalar_type() == at::kBFloat16 &&
+                  dout.scalar_type() == at::kBFloat16 && out.stride(3) == 1 && dout.stride(3) == 1,
+              "segment_attention: out and its gradient must be bf16 [B, Lq, Hq, 64]");
+#if defined(SEG_BF16)
+  using namespace seg;
+  const Shape sh = shape_of(q, k);
+  TORCH_CHECK(out.size(0) == sh.B && out.size(1) == sh.Lq && out.size(2) == sh.Hq,
+              "segment_attention: out must be [B, Lq, Hq, 64]");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == sh.B * sh.Hq * sh.Lq,
+              "segment_attention: lse must be contiguous float [B, Hq, Lq]");
+  const int rows = int(sh.G) * BQ;
+  const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
+  const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};
+  const int64_t gs[3] = {dout.stride(0), dout.stride(1), dout.stride(2)};
+  const uint16_t* qp = (const uint16_t*)q.data_ptr();
+  const uint16_t* op = (const uint16_t*)out.data_ptr();
+  const uint16_t* gp = (const uint16_t*)dout.data_ptr();
+  const float* lp = lse.data_ptr<float>();
+  std::vector<QBlock> qbl(sh.B * sh.Hkv * sh.nqb);
+  at::parallel_for(0, int64_t(qbl.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t qb = idx % sh.nqb, bh = idx / sh.nqb, b = bh / sh.Hkv, kvh = bh % sh.Hkv;
+      QBlock& blk = qbl[idx];
+      blk.q.assign(rows * D, 0), blk.dout.assign(rows * D, 0), blk.qT.assign(rows * D, 0);
+      blk.doutT.assign(rows * D, 0), blk.lse.assign(rows, 0.f), blk.delta.assign(rows, 0.f);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t i = qb * BQ + r % BQ, h = kvh * sh.G + r / BQ;
+        if (i >= sh.Lq) continue;
+        const uint16_t* qr = qp + b * qs[0] + h * qs[1] + i * qs[2];
+        const uint16_t* orow = op + b * os[0] + i * os[1] + h * os[2];
+        const uint16_t* grow = gp + b * gs[0] + i * gs[1] + h * gs[2];
+        float delta = 0.f;
+        for (int c = 0; c < D; ++c) {
+          blk.q[r * D + c] = qr[c], blk.dout[r * D + c] = grow[c];
+          blk.qT[c * rows + r] = qr[c], blk.doutT[c * rows + r] = grow[c];
+          delta += float(c10::BFloat16(orow[c], c10::BFloat16::from_bits())) *
+                   float(c10::BFloat16(grow[c], c10::BFloat16::from_bits()));
+        }
+        blk.lse[r] = lp[(b * sh.Hq + h) * sh.Lq + i], blk.delta[r] = delta;
+      }
+    }
+  });
+  std::vector<Span> spans(sh.B * sh.nqb);
+  for (int64_t b = 0; b < sh.B; ++b)
+    for (int64_t qb = 0; qb < sh.nqb; ++qb)
+      spans[b * sh.nqb + qb] = span_of(bounds.data_ptr<int32_t>() + b * sh.Lq * 3, sh.Lq, qb);
+  const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  std::vector<uint32_t> kt(sh.B * sh.Hkv * sh.nkb * 32 * 64), vt(kt.size()), kvp(kt.size());
+  pack_kv(sh, (const uint16_t*)k.data_ptr(), ks, true, kt.data());
+  pack_kv(sh, (const uint16_t*)v.data_ptr(), vs, true, vt.data());
+  pack_kv(sh, (const uint16_t*)k.data_ptr(), ks, false, kvp.data());
+  auto dk = at::empty({sh.B, sh.Hkv, sh.Lk, D}, k.options());
+  auto dv = at::empty({sh.B, sh.Hkv, sh.Lk, D}, k.options());
+  const int64_t threads = at::get_num_threads();
+  const int64_t dq_size = sh.B * sh.Hq * sh.nqb * BQ * D;
+  std::vector<float> dqt(threads * dq_size, 0.f);
+  std::vector<float> S(threads * rows * BK), dP(threads * rows * BK), dKT(threads * D * BK), dVT(threads * D * BK);
+  std::vector<uint16_t> dSb(threads * rows * BK);
+  std::vector<uint32_t> Pp(threads * rows / 2 * 64), dSp(threads * rows / 2 * 64);
+  const int32_t* bd = bounds.data_ptr<int32_t>();
+  uint16_t* dkp = (uint16_t*)dk.data_ptr();
+  uint16_t* dvp = (uint16_t*)dv.data_ptr();
+  const int64_t items = sh.B * sh.Hkv * sh.nkb;
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t item = t; item < items; item += threads) {  // round robin: dq's sums in one order every run
+        const int64_t kb = item % sh.nkb, bh = item / sh.nkb;
+        backward_block(sh, bh / sh.Hkv, bh % sh.Hkv, kb, qbl, spans, kt.data(), vt.data(), kvp.data(), bd,
+                       float(scale), dqt.data() + t * dq_size, dkp, dvp, S.data() + t * rows * BK,
+                       dP.data() + t * rows * BK, dSb.data() + t * rows * BK, Pp.data() + t * rows / 2 * 64,
+                       dSp.data() + t * rows / 2 * 64, dKT.data() + t * D * BK, dVT.data() + t * D * BK);
+      }
+  });
+  auto dq = at::empty({sh.B, sh.Hq, sh.Lq, D}, q.options());
+  uint16_t* dqp = (uint16_t*)dq.data_ptr();
+  at::parallel_for(0, sh.B * sh.Hq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh)
+      for (int64_t i = 0; i < sh.Lq; ++i) {
+        float row[D];
+        const float* src = dqt.data() + (bh * sh.nqb * BQ + i) * D;
+        for (int c = 0; c < D; ++c) row[c] = src[c];
+        for (int64_t t = 1; t < threads; ++t)
+          for (int c = 0; c < D; ++c) row[c] += src[t * dq_size + c];
+        to_bf16(row, dqp + (bh * sh.Lq + i) * D, D);
+      }
+  });
+  return {dq, dk, dv};
+#else
+  return {};
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ragen_cpu_attention, m) {
@@ -806,6 +1282,11 @@ TORCH_LIBRARY(ragen_cpu_attention, m) {
   m.def("rotary_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int nh, "
         "int nkv) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("segment_attention_available() -> bool", &segment_attention_available);
+  m.def("segment_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor bounds, float scale, Tensor? valid=None) -> "
+        "(Tensor, Tensor)");
+  m.def("segment_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, Tensor bounds, "
+        "float scale) -> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) {
   m.impl("decode_attention", &decode_attention);
@@ -813,6 +1294,8 @@ TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) {
   m.impl("rms_norm_to", &rms_norm_to);
   m.impl("rotary_kv", &rotary_kv);
   m.impl("silu_mul", &silu_mul);
+  m.impl("segment_attention_fwd", &segment_attention_fwd);
+  m.impl("segment_attention_bwd", &segment_attention_bwd);
 }
 """
 
@@ -1021,6 +1504,20 @@ def panel_linear(x: torch.Tensor, weight: Panels, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     y = torch.ops.ragen_cpu_attention.panel_linear(x.reshape(-1, x.shape[-1]), weight.data, weight.n, bias)
     return y.view(*lead, weight.n)
+
+
+@functools.cache
+def segment_ops() -> Any | None:
+    """The update's bf16 attention ops where the kernel is built and the CPU has AVX512-BF16 (else None):
+    ``segment_attention_fwd(q, k, v, bounds, scale) -> (out, lse)`` and ``segment_attention_bwd(q, k, v, out, lse,
+    grad, bounds, scale) -> (dq, dk, dv)``; q [B, Hq, Lq, 64], k and v [B, Hkv, Lk, 64] bf16, bounds [B, Lq, 3]
+    int32: query i attends to the keys [0, a) and [b, c] (the first range only to those ``valid`` [B, Lk] bool
+    flags, where given); out [B, Lq, Hq, 64] bf16, lse [B, Hq, Lq] float32. ``RAGEN_SEGMENT_ATTENTION=0`` turns them
+    off (the update and the prefill then use torch's attention)."""
+    if os.environ.get("RAGEN_SEGMENT_ATTENTION", "1") == "0" or _op() is None:
+        return None
+    ops = torch.ops.ragen_cpu_attention
+    return ops if ops.segment_attention_available() else None
 
 
 def step_ops() -> Any | None:

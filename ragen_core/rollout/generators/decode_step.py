@@ -74,6 +74,7 @@ from ragen_core.rollout.generators.cpu_attention import (
     pack_panels,
     panel_linear,
     panels_pay,
+    segment_ops,
     step_ops,
 )
 
@@ -434,12 +435,21 @@ class LlamaDecodeStep:
         x = self._embed[ids]  # [B, T, H]
         cos, sin = self.rotary(x, positions)  # [B, T, d] each
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, d]: over heads
-        cols = torch.arange(width, device=ids.device)
-        own = (width - t + torch.arange(t, device=ids.device))[:, None]  # [T, 1] each query's column
-        allowed = ((mask[:, None, :] != 0) & (cols <= own)) | (cols == own)  # [B, T, W]
-        additive = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
-        # the g query heads that share a key/value head as its query rows (as in step): [B, 1, g·T, W]
-        attn_mask = additive[:, None, None].expand(b, 1, g, t, width).reshape(b, 1, g * t, width)
+        own = width - t + torch.arange(t, device=ids.device)  # [T] each query's column
+        # A query attends to the real columns before its own, and to its own. On a bf16 cache where the CPU has
+        # AVX512-BF16 that is cpu_attention's segment kernel: bounds (own, own, own), the real columns as the flags
+        # of the first range. Elsewhere SDPA, with the g query heads that share a key/value head as its query rows
+        # (as in step) and an additive mask [B, 1, g·T, W].
+        seg = segment_ops() if self.cache_dtype == torch.bfloat16 and d == 64 and x.device.type == "cpu" else None
+        if seg is not None:
+            bounds = own.to(torch.int32)[:, None].expand(b, t, 3).contiguous()  # [B, T, 3]
+            real = (mask != 0).contiguous()  # [B, W]
+        else:
+            cols = torch.arange(width, device=ids.device)
+            allowed = ((mask[:, None, :] != 0) & (cols <= own[:, None])) | (cols == own[:, None])  # [B, T, W]
+            additive = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed,
+                                                                                               float("-inf"))
+            attn_mask = additive[:, None, None].expand(b, 1, g, t, width).reshape(b, 1, g * t, width)
         k_end = (nh + nkv) * d
         ops = self._fused_ops(x)
         low = self.matmul_dtype == torch.bfloat16
@@ -455,10 +465,14 @@ class LlamaDecodeStep:
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[..., k_end:].view(b, t, nkv, d).transpose(1, 2)  # [B, nkv, T, d]
             keys, values = kv.update(k, v)  # [B, nkv, W, d]
-            q = q.reshape(b, nkv, g * t, d).to(keys.dtype)  # heads h·g .. h·g + g - 1 read key/value head h
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
-            # reshape: CUDA's kernels may return [B, nkv, g·T, d] in another memory layout than a CPU's
-            a = a.reshape(b, nh, t, d).transpose(1, 2).reshape(b * t, nh * d)
+            if seg is not None:  # [B, T, nh, d] bf16
+                a = seg.segment_attention_fwd(q.to(torch.bfloat16), keys, values, bounds, self.scale, real)[0]
+                a = a.reshape(b * t, nh * d)
+            else:
+                q = q.reshape(b, nkv, g * t, d).to(keys.dtype)  # heads h·g .. h·g + g - 1 read key/value head h
+                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scale)
+                # reshape: CUDA's kernels may return [B, nkv, g·T, d] in another memory layout than a CPU's
+                a = a.reshape(b, nh, t, d).transpose(1, 2).reshape(b * t, nh * d)
             x = x + self._linear(a, layer.o, layer.o_bias, keep=True).view(b, t, -1)
             if ops is not None:
                 gate_up = self._linear(ops.rms_norm_to(x.view(b * t, -1), layer.norm2, self.eps, low),

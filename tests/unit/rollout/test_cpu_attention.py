@@ -241,7 +241,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = """
 import sys, pytest, torch
 assert str(torch.backends.cpu.get_cpu_capability()) == sys.argv[1], torch.backends.cpu.get_cpu_capability()
-chosen = "(matches or shared or no_real or wholly or builds or panel or step_ops) and not avx2_cpu"
+chosen = "(matches or shared or no_real or wholly or builds or panel or step_ops or segment) and not avx2_cpu"
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", chosen]))
 """
 
@@ -327,3 +327,19 @@ def test_step_ops_refuse_bad_inputs_with_a_clear_error():
     with pytest.raises(RuntimeError, match="rotary_kv: float32 or bfloat16"):
         ops.rotary_kv(torch.randn(2, 3 * 8).half(), cos, sin, k_cache, v_cache, 0, 1, 1)
     assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.usefixtures("needs_compiler")
+def test_the_segment_kernel_runs_exactly_where_the_cpu_has_avx512_bf16():
+    """The bf16 training attention (trainer/attention.py) is in the AVX512 build only and asks the CPU: it says it
+    runs where torch runs AVX512 and /proc/cpuinfo lists avx512_bf16, and nowhere else (the AVX2 build's child
+    process included); where it does not, calling it is a clear error."""
+    assert cpu_attention.kernel_available()
+    ops = torch.ops.ragen_cpu_attention
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    expected = "avx512_bf16" in flags and str(torch.backends.cpu.get_cpu_capability()) == "AVX512"
+    assert ops.segment_attention_available() == expected
+    if not expected:
+        q = torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="no AVX512-BF16"):
+            ops.segment_attention_fwd(q, q, q, torch.zeros(1, 4, 3, dtype=torch.int32), 0.125)

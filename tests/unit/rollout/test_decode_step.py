@@ -486,3 +486,55 @@ def test_the_fused_small_ops_compute_what_the_separate_ops_compute(compute: torc
         assert fk.dtype == sk.dtype == compute and fk.shape == sk.shape
         torch.testing.assert_close(fk.float(), sk.float(), **tol)
         torch.testing.assert_close(fv.float(), sv.float(), **tol)
+
+
+def test_a_bf16_prefill_on_the_segment_kernel_computes_what_sdpa_computes(monkeypatch) -> None:
+    """Head size 64 over a bf16 cache, where the CPU has AVX512-BF16: a prefill's attention runs cpu_attention's
+    segment kernel (each query over the real columns before its own, and its own). Over kept caches with left
+    padding and a hole, with left-padded suffixes, its logits and every real column it appends are the SDPA
+    prefill's within bf16 rounding, and every column it writes is finite."""
+    require(cpu_attention.compiler() is not None, "no C++ compiler to build the kernel")
+    assert cpu_attention.kernel_available()
+    if cpu_attention.segment_ops() is None:
+        pytest.skip("this CPU has no AVX512-BF16: the prefill stays on SDPA")
+    model, _ = tiny_random(seed=4)
+    config = type(model.config)(**{**model.config.to_dict(), "hidden_size": 192, "num_attention_heads": 3,
+                                   "num_key_value_heads": 1, "head_dim": 64})
+    torch.manual_seed(4)
+    model = type(model)(config).eval()
+    kept, suffixes = [[5, 9, 13, 2, 7, 30, 4, 4], [11, 4], [8, 8, 8, 1, 9]], [[17, 3, 25, 6], [40], [2, 2]]
+    caches, kept_mask = [], None
+    for _ in range(2):
+        cache, kept_mask = _prefilled(model, kept)
+        cache = growing_cache([(k.bfloat16(), v.bfloat16()) for k, v in cache_layers(cache)], room=8)
+        caches.append(cache)
+    kept_mask[0, 3] = 0  # a hole, as cache reuse leaves between turns
+    new = max(map(len, suffixes))
+    ids = torch.zeros(len(kept), new, dtype=torch.long)
+    mask = torch.cat([kept_mask, torch.zeros(len(kept), new, dtype=torch.long)], dim=1)
+    for b, sfx in enumerate(suffixes):
+        ids[b, new - len(sfx):] = torch.tensor(sfx)
+        mask[b, mask.shape[1] - len(sfx):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, kept_mask.shape[1]:]
+    calls = []
+    ops = cpu_attention.segment_ops()
+
+    class Counting:
+        def segment_attention_fwd(self, *args):
+            calls.append(args[0].shape)
+            return ops.segment_attention_fwd(*args)
+
+    step = decode_step_for(model, torch.bfloat16)
+    assert step is not None and step.cache_dtype == torch.bfloat16
+    monkeypatch.setattr(decode_step, "segment_ops", lambda: Counting())
+    fast = step.prefill(ids, positions, mask, caches[0])
+    assert len(calls) == config.num_hidden_layers and calls[0] == (3, 3, new, 64)
+    monkeypatch.setattr(decode_step, "segment_ops", lambda: None)
+    sdpa = step.prefill(ids, positions, mask, caches[1])
+    torch.testing.assert_close(fast, sdpa, rtol=0, atol=2e-2)
+    real = mask.bool()
+    for (fk, fv), (sk, sv) in zip(cache_layers(caches[0]), cache_layers(caches[1]), strict=True):
+        assert torch.isfinite(fk.float()).all() and torch.isfinite(fv.float()).all()
+        for b in range(len(kept)):
+            torch.testing.assert_close(fk[b][:, real[b]].float(), sk[b][:, real[b]].float(), rtol=0, atol=5e-2)
+            torch.testing.assert_close(fv[b][:, real[b]].float(), sv[b][:, real[b]].float(), rtol=0, atol=5e-2)
