@@ -855,26 +855,53 @@ SEG_TARGET inline void to_bf16(const float* src, uint16_t* dst, int n) {  // n a
     _mm256_storeu_si256((__m256i*)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
 }
 
-// Pairs along the columns of 64 rows of 64 (keys): out[p][j] = (x[j][2p], x[j][2p + 1]) for p < 32.
-// Rows j >= n are zero.
-inline void pack_t(const uint16_t* x, int64_t ldx, int n, uint32_t* out) {
-  for (int j = 0; j < BK; ++j) {
-    if (j < n) {
-      const uint16_t* row = x + j * ldx;
-      for (int p = 0; p < D / 2; ++p) out[p * 64 + j] = uint32_t(row[2 * p]) | (uint32_t(row[2 * p + 1]) << 16);
-    } else {
-      for (int p = 0; p < D / 2; ++p) out[p * 64 + j] = 0;
+// A 16 x 16 block of 32-bit values transposed in registers (unpacks within 128-bit lanes, then lane shuffles).
+SEG_TARGET inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + i + 4], 0x88);
+      t[8 * h + i + 4] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + i + 4], 0xdd);
     }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
   }
 }
 
+// Pairs along the columns of 64 rows of 64 (keys): out[p][j] = (x[j][2p], x[j][2p + 1]) for p < 32, i.e. the
+// [64][32] pairs transposed, 16 x 16 at a time. Rows j >= n are zero.
+SEG_TARGET inline void pack_t(const uint16_t* x, int64_t ldx, int n, uint32_t* out) {
+  for (int jb = 0; jb < BK; jb += 16)
+    for (int pb = 0; pb < D / 2; pb += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = jb + i < n ? _mm512_loadu_si512(x + (jb + i) * ldx + 2 * pb) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (pb + i) * 64 + jb, r[i]);
+    }
+}
+
 // Pairs along the rows of rows x 64: out[p][c] = (x[2p][c], x[2p + 1][c]); rows >= n are zero; rows even.
-inline void pack_v(const uint16_t* x, int64_t ldx, int n, int rows, uint32_t* out) {
+SEG_TARGET inline void pack_v(const uint16_t* x, int64_t ldx, int n, int rows, uint32_t* out) {
   for (int p = 0; p < rows / 2; ++p) {
     const int r0 = 2 * p, r1 = 2 * p + 1;
-    for (int c = 0; c < D; ++c) {
-      const uint32_t lo = r0 < n ? x[r0 * ldx + c] : 0, hi = r1 < n ? x[r1 * ldx + c] : 0;
-      out[p * 64 + c] = lo | (hi << 16);
+    for (int c = 0; c < D; c += 16) {
+      const __m512i lo = r0 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + r0 * ldx + c)))
+                                : _mm512_setzero_si512();
+      const __m512i hi = r1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + r1 * ldx + c)))
+                                : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + p * 64 + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
@@ -936,17 +963,19 @@ SEG_TARGET void forward_block(const Shape& sh, int64_t b, int64_t kvh, int64_t q
                               const int64_t* qs, const uint32_t* kt, const uint32_t* vv, const int32_t* bounds,
                               const uint8_t* valid, float scale, uint16_t* out, const int64_t* os, float* lse,
                               uint16_t* qbuf, float* S, uint16_t* P, float* O, float* m, float* l) {
-  const int rows = int(sh.G) * BQ;
+  // row r is position i0 + r / G of query head kvh * G + r % G: a block's real positions come first, so a short
+  // block (a prefill of few tokens, the last block) runs only its real rows (in tiles of 4)
   const int64_t i0 = qb * BQ;
+  const int real = int(sh.G * std::min<int64_t>(BQ, sh.Lq - i0));
+  const int rows = (real + 3) / 4 * 4;
   const int32_t* bd = bounds + b * sh.Lq * 3;
-  for (int g = 0; g < sh.G; ++g)
-    for (int t = 0; t < BQ; ++t) {
-      uint16_t* dst = qbuf + (g * BQ + t) * D;
-      if (i0 + t < sh.Lq)
-        std::memcpy(dst, q + b * qs[0] + (kvh * sh.G + g) * qs[1] + (i0 + t) * qs[2], D * 2);
-      else
-        std::memset(dst, 0, D * 2);
-    }
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* dst = qbuf + r * D;
+    if (r < real)
+      std::memcpy(dst, q + b * qs[0] + (kvh * sh.G + r % sh.G) * qs[1] + (i0 + r / sh.G) * qs[2], D * 2);
+    else
+      std::memset(dst, 0, D * 2);
+  }
   for (int r = 0; r < rows; ++r) m[r] = NEG_INF, l[r] = 0.f;
   std::memset(O, 0, sizeof(float) * rows * D);
   const Span span = span_of(bd, sh.Lq, qb);
@@ -955,7 +984,7 @@ SEG_TARGET void forward_block(const Shape& sh, int64_t b, int64_t kvh, int64_t q
     if (!span.needs(kb)) continue;
     mm(S, BK, qbuf, D, kt + (kv_off + kb) * 32 * 64, D / 2, rows, false);
     for (int r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r % BQ;
+      const int64_t i = r < real ? i0 + r / sh.G : sh.Lq;
       float* s = S + r * BK;
       uint16_t* p = P + r * BK;
       const uint8_t* flags = valid == nullptr ? nullptr : valid + b * sh.Lk + kb * BK;
@@ -985,11 +1014,8 @@ SEG_TARGET void forward_block(const Shape& sh, int64_t b, int64_t kvh, int64_t q
     }
     mm(O, D, P, BK, vv + (kv_off + kb) * 32 * 64, BK / 2, rows, true);
   }
-  for (int r = 0; r < rows; ++r) {
-    const int g = r / BQ;
-    const int64_t i = i0 + r % BQ;
-    if (i >= sh.Lq) continue;
-    const int64_t h = kvh * sh.G + g;
+  for (int r = 0; r < real; ++r) {
+    const int64_t i = i0 + r / sh.G, h = kvh * sh.G + r % sh.G;
     uint16_t* dst = out + b * os[0] + i * os[1] + h * os[2];
     float* o = O + r * D;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
@@ -1076,7 +1102,8 @@ SEG_TARGET void backward_block(const Shape& sh, int64_t b, int64_t kvh, int64_t 
 
 // Keys and values of every (batch, key head, key block), packed for the products (pack_t: pairs along the
 // head size, as the scores read keys; pack_v: pairs along the keys, as the weighted sum reads values).
-void pack_kv(const Shape& sh, const uint16_t* x, const int64_t* xs, bool transposed, uint32_t* out) {
+SEG_TARGET void pack_kv(const Shape& sh, const uint16_t* x, const int64_t* xs, bool transposed,
+                        uint32_t* out) {
   at::parallel_for(0, sh.B * sh.Hkv * sh.nkb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t kb = idx % sh.nkb, bh = idx / sh.nkb, b = bh / sh.Hkv, h = bh % sh.Hkv;
