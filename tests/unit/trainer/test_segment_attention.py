@@ -161,10 +161,12 @@ def _tiny_llama() -> torch.nn.Module:
     return LlamaModel(config).train()
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """A prompt group (a 30-token prompt, replies of 5, 17, 9 and 40: packed) and two rows alone, right-padded."""
+def _batch(tails: tuple[int, ...] = (5, 17, 9, 40)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt group (a 30-token prompt, then replies of ``tails`` tokens: packed) and two rows alone, right-padded.
+    The default replies are short (one call on the block mask); (150, 300, 20, 240) are long enough for
+    forward.split_pays."""
     gen = torch.Generator().manual_seed(1)
-    tails, prompt = [5, 17, 9, 40], 30
+    prompt = 30
     width = prompt + max(tails)
     ids = torch.randint(10, 100, (6, width), generator=gen)
     ids[:4, :prompt] = ids[0, :prompt]
@@ -177,8 +179,9 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _run(model: torch.nn.Module, autocast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ids, mask = _batch()
+def _run(model: torch.nn.Module, autocast: bool,
+         tails: tuple[int, ...] = (5, 17, 9, 40)) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids, mask = _batch(tails)
     model.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         hidden = forward.hidden_states(model, ids, mask)
@@ -211,14 +214,17 @@ def test_the_update_runs_the_kernel_and_gets_torchs_result_within_bf16_rounding(
         assert float((grad - grads_torch[name]).norm()) <= 0.02 * float(grads_torch[name].norm()), name
 
 
-def test_without_the_kernel_or_in_float32_the_update_keeps_torchs_attention(monkeypatch):
+@pytest.mark.parametrize("tails", [(5, 17, 9, 40), (150, 300, 20, 240)], ids=["one-call", "split"])
+def test_without_the_kernel_or_in_float32_the_update_keeps_torchs_attention(monkeypatch, tails):
     """On a CPU without AVX512-BF16 nothing is switched; where the kernel runs but the update computes in float32,
-    the attention function hands every call to torch's (split_attention), bit for bit the plain sdpa result."""
+    the attention function hands every call to torch's (split_attention: a long packed row in parts), bit for bit
+    the plain sdpa result."""
+    assert forward.split_pays(list(tails), 30) == (tails[1] == 300)
     model = _tiny_llama()
     monkeypatch.setattr(attention, "_kernel", lambda: False)
     with attention.use_segment_attention(model):
         assert model.config._attn_implementation == "sdpa"
-    plain, plain_grads = _run(model, autocast=False)
+    plain, plain_grads = _run(model, autocast=False, tails=tails)
     monkeypatch.setattr(attention, "_kernel", lambda: True)
     with attention.use_segment_attention(model):
         assert model.config._attn_implementation == attention.NAME
@@ -228,7 +234,7 @@ def test_without_the_kernel_or_in_float32_the_update_keeps_torchs_attention(monk
         raise AssertionError("the kernel ran on float32")
 
     monkeypatch.setattr(attention.SegmentAttention, "apply", never)
-    through, through_grads = _run(model, autocast=False)
+    through, through_grads = _run(model, autocast=False, tails=tails)
     assert torch.equal(plain, through)
     for name, grad in plain_grads.items():
         assert torch.equal(grad, through_grads[name]), name
