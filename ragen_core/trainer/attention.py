@@ -7,9 +7,9 @@ and causally over itself: :func:`ragen_core.trainer.forward.packed_group`). In e
 a mask, runs only the blocks of 64 keys a block of queries needs, and computes its products with AVX512-BF16's
 vdpbf16ps into fp32, the softmax online in fp32 (FlashAttention-2's forward and backward). Torch's CPU flash
 kernel runs about 100 GFLOP/s whatever the mask, masked pairs included; on 2 AVX512-BF16 cores the segment
-kernel took 2.6 ms forward and backward for a Bandit group's packed row (8 replies of 26 tokens on a 187-token
-prompt) against 11.3 ms, and 16 ms for four FrozenLake rows on a 196-token prompt against 43 ms for their split
-calls (docs/benchmarks.md).
+kernel took 3.0 ms forward and backward for a Bandit group's packed row (8 replies of 26 tokens on a 187-token
+prompt) against 10.9 ms, and 16.8 ms for four FrozenLake rows on a 196-token prompt against 42.7 ms for their split
+calls (``bench/attention.py``, docs/benchmarks.md).
 
 :func:`segment_attention` is a transformers attention function. Inside :func:`use_segment_attention` (which
 :func:`ragen_core.trainer.forward.hidden_states` enters), a CPU decoder that runs ``sdpa`` runs it instead:
@@ -103,11 +103,6 @@ def mask_bounds(mask: torch.Tensor | None, batch: int, lq: int, lk: int) -> torc
 def _kernel() -> bool:
     """Whether the segment kernel runs here: cpu_attention's build loads and the CPU has AVX512-BF16."""
     return cpu_attention.segment_ops() is not None
-
-
-def kernel_runs() -> bool:
-    """Whether :func:`segment_attention` can use the kernel on this machine (building the kernel if not yet)."""
-    return _kernel()
 
 
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -802,7 +802,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 // Training attention in bf16 (segment_attention_fwd / _bwd): each query i sees the keys [0, a_i) and [b_i, c_i]
 // (bounds [B, Lq, 3]), which covers a causal row, a right-padded one, and a packed row of a shared prompt and its
-// replies (trainer/forward.py). A block of 16 query positions times the query heads of one key head runs against
+// replies (trainer/attention.py); with flags on the first range (valid [B, Lk]), also a prefill over kept caches
+// with holes (decode_step.py, forward only). A block of 16 query positions times the query heads of one key head
+// runs against
 // blocks of 64 keys, skipping those no row of the block sees; the products are vdpbf16ps (AVX512-BF16) on
 // operands packed in pairs along the sum, accumulated in fp32; the softmax is online, in fp32, as
 // FlashAttention-2 runs it. Only these functions carry the bf16 instructions (a target attribute), and
