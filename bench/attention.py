@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ragen_core.rollout.generators import cpu_attention
-from ragen_core.trainer.attention import SegmentAttention
+from ragen_core.trainer.attention import SegmentAttention, packed_bounds
 
 SHAPES = {  # name: (prompt, reply lengths)
     "bandit-group": (187, [26] * 8),
@@ -35,15 +35,6 @@ SHAPES = {  # name: (prompt, reply lengths)
     "causal-400": (0, [400]),
 }
 HEADS, KV_HEADS, D, SCALE = 9, 3, 64, 0.125
-
-
-def packed_bounds(prefix: int, tails: list[int]) -> torch.Tensor:
-    rows = [(0, 0, i) for i in range(prefix)]
-    start = prefix
-    for t in tails:
-        rows += [(prefix, start, start + j) for j in range(t)]
-        start += t
-    return torch.tensor(rows, dtype=torch.int32)[None]
 
 
 def timed(fn: Callable[[], None], repeats: int) -> float:

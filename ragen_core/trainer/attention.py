@@ -23,12 +23,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ragen_core.rollout.generators import cpu_attention
+from ragen_core.rollout.generators.attention import implementation
 
 NAME = "ragen_segment_sdpa"
 """The attention implementation name registered with transformers (attention and mask functions)."""
@@ -66,6 +67,17 @@ def causal_bounds(batch: int, length: int) -> torch.Tensor:
     i = torch.arange(length, dtype=torch.int32)
     zero = torch.zeros_like(i)
     return torch.stack([zero, zero, i], dim=-1).expand(batch, -1, -1).contiguous()
+
+
+def packed_bounds(prefix: int, tails: Sequence[int]) -> torch.Tensor:
+    """Bounds [1, prefix + sum(tails), 3] of a packed row as :func:`ragen_core.trainer.forward.packed_group` lays it
+    out: the prefix causally, then each row's ``tails`` tokens over the prefix and causally over themselves."""
+    rows = [(0, 0, i) for i in range(prefix)]
+    start = prefix
+    for tail in tails:
+        rows += [(prefix, start, start + j) for j in range(tail)]
+        start += tail
+    return torch.tensor(rows, dtype=torch.int32).reshape(1, -1, 3)
 
 
 _last: list[Any] = [None, None]  # [weakref to the last mask analysed, its bounds]: a forward's layers share one mask
@@ -151,8 +163,5 @@ def use_segment_attention(decoder: torch.nn.Module) -> Iterator[None]:
         yield
         return
     _register()
-    config._attn_implementation = NAME
-    try:
+    with implementation(config, NAME):
         yield
-    finally:
-        config._attn_implementation = "sdpa"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ragen_core.algos import losses
 from ragen_core.models.causal_lm import causal_lm, unwrap_lora
+from ragen_core.rollout.generators.attention import implementation
 from ragen_core.trainer import attention
 
 __all__ = [
@@ -392,12 +393,8 @@ def _attention_implementation(config: object, name: str) -> Iterator[None]:
 
     if name not in AttentionInterface().valid_keys():
         AttentionInterface.register(name, split_attention)
-    before = cast(Any, config)._attn_implementation
-    cast(Any, config)._attn_implementation = name
-    try:
+    with implementation(config, name):
         yield
-    finally:
-        cast(Any, config)._attn_implementation = before
 
 
 def packed_group(decoder: nn.Module, ids: torch.Tensor, tails: torch.Tensor, prefix: int) -> torch.Tensor:

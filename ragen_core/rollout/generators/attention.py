@@ -75,6 +75,17 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
+def implementation(config: Any, name: str) -> Iterator[None]:
+    """``config._attn_implementation`` set to ``name`` inside the block, and back to what it was after it."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+@contextlib.contextmanager
 def gqa_attention(model: torch.nn.Module) -> Iterator[None]:
     """Use masked native-GQA SDPA inside the block when ``model`` runs SDPA on CPU (module docstring)."""
     config = getattr(model, "config", None)
@@ -83,8 +94,5 @@ def gqa_attention(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     _register()
-    config._attn_implementation = NAME
-    try:
+    with implementation(config, NAME):
         yield
-    finally:
-        config._attn_implementation = "sdpa"

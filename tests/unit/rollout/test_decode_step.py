@@ -55,6 +55,19 @@ def _prefilled(model, prompts: list[list[int]], pad: int = 0):
     return growing_cache(cache_layers(out.past_key_values), room=8), mask
 
 
+def _suffixed(kept_mask: torch.Tensor, suffixes: list[list[int]]):
+    """A later turn's suffixes on kept caches of ``kept_mask``: (ids [B, T] left-padded, their positions, the mask
+    [B, W + T] over the kept columns and the new ones)."""
+    new = max(map(len, suffixes))
+    ids = torch.zeros(len(suffixes), new, dtype=torch.long)
+    mask = torch.cat([kept_mask, torch.zeros(len(suffixes), new, dtype=torch.long)], dim=1)
+    for b, sfx in enumerate(suffixes):
+        ids[b, new - len(sfx):] = torch.tensor(sfx)
+        mask[b, mask.shape[1] - len(sfx):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, kept_mask.shape[1]:]
+    return ids, positions, mask
+
+
 def _padded_batch(seed: int):
     """A tiny model (eval mode), its fast step, and two equal caches with room of three left-padded prompts
     prefilled by model.forward (one for the step, one for model.forward), with their mask."""
@@ -124,13 +137,7 @@ def test_a_prefill_gives_model_forwards_logits_and_cache_on_top_of_kept_caches(l
     kept, suffixes = [[5, 9, 13, 2, 7, 30], [11, 4], [8, 8, 8, 1]], [[17, 3, 25, 6], [40], [2, 2]]
     fast_cache, kept_mask = _prefilled(model, kept)
     slow_cache, _ = _prefilled(model, kept)
-    new = max(map(len, suffixes))
-    ids = torch.zeros(len(kept), new, dtype=torch.long)
-    mask = torch.cat([kept_mask, torch.zeros(len(kept), new, dtype=torch.long)], dim=1)
-    for b, sfx in enumerate(suffixes):
-        ids[b, new - len(sfx):] = torch.tensor(sfx)
-        mask[b, mask.shape[1] - len(sfx):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, kept_mask.shape[1]:]
+    ids, positions, mask = _suffixed(kept_mask, suffixes)
     fast = step.prefill(ids, positions, mask, fast_cache)
     assert step.panels == (matmuls == "panels")
     with torch.inference_mode():
@@ -509,13 +516,7 @@ def test_a_bf16_prefill_on_the_segment_kernel_computes_what_sdpa_computes(monkey
         cache = growing_cache([(k.bfloat16(), v.bfloat16()) for k, v in cache_layers(cache)], room=8)
         caches.append(cache)
     kept_mask[0, 3] = 0  # a hole, as cache reuse leaves between turns
-    new = max(map(len, suffixes))
-    ids = torch.zeros(len(kept), new, dtype=torch.long)
-    mask = torch.cat([kept_mask, torch.zeros(len(kept), new, dtype=torch.long)], dim=1)
-    for b, sfx in enumerate(suffixes):
-        ids[b, new - len(sfx):] = torch.tensor(sfx)
-        mask[b, mask.shape[1] - len(sfx):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, kept_mask.shape[1]:]
+    ids, positions, mask = _suffixed(kept_mask, suffixes)
     calls = []
     ops = cpu_attention.segment_ops()
 
@@ -528,7 +529,7 @@ def test_a_bf16_prefill_on_the_segment_kernel_computes_what_sdpa_computes(monkey
     assert step is not None and step.cache_dtype == torch.bfloat16
     monkeypatch.setattr(decode_step, "segment_ops", lambda: Counting())
     fast = step.prefill(ids, positions, mask, caches[0])
-    assert len(calls) == config.num_hidden_layers and calls[0] == (3, 3, new, 64)
+    assert len(calls) == config.num_hidden_layers and calls[0] == (3, 3, ids.shape[1], 64)
     monkeypatch.setattr(decode_step, "segment_ops", lambda: None)
     sdpa = step.prefill(ids, positions, mask, caches[1])
     torch.testing.assert_close(fast, sdpa, rtol=0, atol=2e-2)

@@ -23,17 +23,6 @@ def kernel() -> object:
     return ops
 
 
-def _packed_bounds(prefix: int, tails: list[int]) -> torch.Tensor:
-    """Bounds of a packed row as forward.packed_group lays it out: the prefix causal, then each reply over the
-    prefix and causally over itself."""
-    rows = [(0, 0, i) for i in range(prefix)]
-    start = prefix
-    for t in tails:
-        rows += [(prefix, start, start + j) for j in range(t)]
-        start += t
-    return torch.tensor(rows, dtype=torch.int32)[None]
-
-
 def _dense(bounds: torch.Tensor, lk: int) -> torch.Tensor:
     """The boolean mask [B, 1, Lq, Lk] of bounds [B, Lq, 3]."""
     j = torch.arange(lk)
@@ -51,9 +40,9 @@ def _attend(q, k, v, mask, scale):
 
 CASES = {  # name: (bounds [B, Lq, 3], Lk, query heads, key heads)
     "causal": (attention.causal_bounds(1, 37), 37, 3, 1),
-    "packed": (_packed_bounds(10, [5, 7]), 22, 9, 3),
-    "packed-long": (_packed_bounds(70, [1, 64, 23, 130]), 288, 9, 3),
-    "bandit-group": (_packed_bounds(187, [26] * 8), 395, 4, 4),
+    "packed": (attention.packed_bounds(10, [5, 7]), 22, 9, 3),
+    "packed-long": (attention.packed_bounds(70, [1, 64, 23, 130]), 288, 9, 3),
+    "bandit-group": (attention.packed_bounds(187, [26] * 8), 395, 4, 4),
     # three rows continuing a cache of 30: right padding, a row with 12 real tokens of 20
     "cache": (torch.stack([torch.tensor([(0, 0, 30 + i) for i in range(20)]),
                            torch.tensor([(0, 0, 30 + min(i, 11)) if i < 12 else (42, 1, 0) for i in range(20)]),
@@ -107,7 +96,7 @@ def test_a_query_with_no_key_gets_zero_output_and_no_gradient(kernel):
 
 def test_the_backward_is_the_same_bit_for_bit_every_run(kernel):
     """The query gradient adds up per thread over the key blocks it is given: the same blocks every run."""
-    bounds = _packed_bounds(100, [40, 200, 90])
+    bounds = attention.packed_bounds(100, [40, 200, 90])
     q, k, v = (torch.randn(1, 3, 430, 64).bfloat16() for _ in range(3))
     out, lse = kernel.segment_attention_fwd(q, k, v, bounds, 0.125)
     grad = torch.randn_like(out)
@@ -138,7 +127,7 @@ def test_mask_bounds_read_the_masks_the_update_makes() -> None:
     head) read as None, so the update keeps torch's attention for them."""
     assert torch.equal(attention.mask_bounds(None, 2, 5, 5), attention.causal_bounds(2, 5))
     assert attention.mask_bounds(None, 1, 3, 5) is None
-    for bounds, lk in ((_packed_bounds(6, [3, 1, 4]), 14), (CASES["cache"][0], 50)):
+    for bounds, lk in ((attention.packed_bounds(6, [3, 1, 4]), 14), (CASES["cache"][0], 50)):
         mask = _dense(bounds, lk)
         got = attention.mask_bounds(mask, bounds.shape[0], bounds.shape[1], lk)
         assert got is not None and torch.equal(_dense(got, lk), mask)
