@@ -175,19 +175,19 @@ class FrozenCasts:
     hold the values autocast would compute with, so the results are the same bit for bit.
     A copy is remade when its weight's address or version counter moved (a load_state_dict). The layers hold
     the copies (as frozen Parameters) only inside :meth:`swapped`; a backward after it uses the copies its
-    forward saved. Weights tied to an embedding are left alone: their lookup must stay fp32.
+    forward saved. An output layer tied to the input embedding gets a copy too, in the linear layer only: the
+    embedding's lookup keeps the fp32 weight.
     """
 
     def __init__(self, modules: Sequence[nn.Module | None], dtype: torch.dtype) -> None:
         present = [m for m in modules if m is not None]
-        tied = {id(e.weight) for m in present for e in m.modules() if isinstance(e, nn.Embedding)}
         seen: set[int] = set()
         self.layers: list[nn.Linear] = []
         for m in present:
             for layer in m.modules():
                 w = getattr(layer, "weight", None)
                 if (isinstance(layer, nn.Linear) and isinstance(w, torch.Tensor) and not w.requires_grad
-                        and w.dtype == torch.float32 and id(w) not in tied and id(layer) not in seen):
+                        and w.dtype == torch.float32 and id(layer) not in seen):
                     seen.add(id(layer))
                     self.layers.append(layer)
         self.dtype = dtype

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ragen_core.algos import losses
 from ragen_core.models.causal_lm import causal_lm, unwrap_lora
+from ragen_core.rollout.generators import cpu_attention
 from ragen_core.rollout.generators.attention import implementation
 from ragen_core.trainer import attention
 
@@ -442,7 +443,13 @@ def _chunk_logprobs_entropy(
     # as one [B·C, H] matrix: a [B, C, H] slice of the hidden states is not contiguous, and a linear layer on
     # such a 3-D input that requires grad runs as a batched matmul against the expanded weight, forward and
     # backward (measured at the demo's 8 × 40 positions: 178 + 200 ms against 135 + 125 as one matmul)
-    logits = head(hidden.reshape(b * c, width)).view(b, c, -1)  # [B, C, V], the only logits tensor alive
+    flat = head(hidden.reshape(b * c, width))  # [B·C, V], the only logits tensor alive
+    ops = cpu_attention.loss_ops() if flat.device.type == "cpu" and flat.stride(-1) == 1 else None
+    if ops is not None and flat.dtype in (torch.float32, torch.bfloat16):
+        lp, ent = _FusedLogprobsEntropy.apply(flat, labels.reshape(-1), inv_temperature, ops)
+        lp, ent = lp.view(b, c), ent.view(b, c)
+        return lp, ent if entropy_grad else ent.detach()
+    logits = flat.view(b, c, -1)  # [B, C, V]
     if inv_temperature != 1.0:  # at 1 (training rollouts' default) not another vocabulary-sized tensor
         logits = logits.float() * inv_temperature
     if entropy_grad:  # one exp pass over the vocabulary for both, in float32 (bf16 logits kept as they are)
@@ -450,6 +457,30 @@ def _chunk_logprobs_entropy(
     logits = logits.float()
     logprobs = losses.logprobs_from_logits(logits, labels)  # [B, C]
     return logprobs, losses.entropy_from_logits(logits.detach())  # [B, C], a diagnostic only
+
+
+class _FusedLogprobsEntropy(torch.autograd.Function):
+    """(log-prob, entropy) of softmax(scale · logits) at labels on the CPU kernel (``cpu_attention.loss_ops``):
+    losses.logprobs_and_entropy's values and gradient, computed a row at a time in a float32 copy that stays in
+    the cache, where torch's ops make vocabulary-sized float32 tensors (the softmax, the casts), whose first touch
+    costs more than the arithmetic. logits [N, V], labels [N] -> ([N], [N]) float32. Saves the logits (in their
+    dtype) and two floats a row; the backward recomputes the softmax."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, scale: float,
+                ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = labels.to(torch.long).contiguous()
+        lp, ent, lse, expected = ops.logprobs_entropy_fwd(logits, labels, scale)
+        ctx.save_for_backward(logits, labels, lse, expected)
+        ctx.scale, ctx.ops = scale, ops
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_logprob: torch.Tensor, g_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, labels, lse, expected = ctx.saved_tensors
+        grad = ctx.ops.logprobs_entropy_bwd(logits, labels, lse, expected, g_logprob.float().contiguous(),
+                                            g_entropy.float().contiguous(), ctx.scale)
+        return grad, None, None, None
 
 
 def chunked_logprobs(

@@ -1300,6 +1300,168 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_bwd(
 #endif
 }
 
+// ---- the output layer's loss terms (ragen_core/trainer/forward.py: fused_logprobs_entropy): per row of logits l
+// [N, V] (float32 or bf16), with x = scale * l, p = softmax(x), lse = logsumexp(x) and E = sum p x: the log-prob
+// x[label] - lse and the entropy lse - E, in float32, one row at a time in a float32 copy that stays in the cache.
+// torch's path makes vocabulary-sized fresh tensors (the float32 softmax, the casts), whose first touch costs more
+// than the arithmetic.
+namespace loss {
+
+// A row of V logits times scale, as float32, in dst.
+template <typename T>
+inline void scaled_row(const T* src, int64_t V, float scale, float* dst) {
+  const VecF s(scale);
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; j + VecF::size() <= V; j += VecF::size()) (VecF::loadu(src + j) * s).store(dst + j);
+  } else {
+    using VecB = at::vec::Vectorized<c10::BFloat16>;
+    for (; j + VecB::size() <= V; j += VecB::size()) {
+      const auto [a, b] = at::vec::convert_bfloat16_float(VecB::loadu(src + j));
+      (a * s).store(dst + j);
+      (b * s).store(dst + j + VecF::size());
+    }
+  }
+  for (; j < V; ++j) dst[j] = static_cast<float>(src[j]) * scale;
+}
+
+constexpr int64_t CHUNK = 1024;  // sums run per chunk, then over the chunks: about 100 terms on each lane's chain
+
+// (lse, E) of the float32 row x [V].
+inline std::pair<float, float> lse_expected(const float* x, int64_t V) {
+  VecF vm(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + VecF::size() <= V; j += VecF::size()) vm = at::vec::maximum(vm, VecF::loadu(x + j));
+  float m = at::vec::vec_reduce_all<float>([](VecF& a, VecF& b) { return at::vec::maximum(a, b); }, vm);
+  for (; j < V; ++j) m = std::max(m, x[j]);
+  const VecF top(m);
+  VecF s(0.f), d(0.f);
+  float ss = 0.f, ds = 0.f;
+  for (int64_t c = 0; c < V; c += CHUNK) {
+    const int64_t e = std::min(V, c + CHUNK);
+    VecF cs(0.f), cd(0.f);
+    j = c;
+    for (; j + VecF::size() <= e; j += VecF::size()) {
+      const VecF xv = VecF::loadu(x + j);
+      const VecF p = (xv - top).exp();
+      cs = cs + p;
+      cd = at::vec::fmadd(p, xv, cd);
+    }
+    for (; j < e; ++j) {
+      const float p = std::exp(x[j] - m);
+      ss += p;
+      ds += p * x[j];
+    }
+    s = s + cs;
+    d = d + cd;
+  }
+  ss += at::vec::vec_reduce_all<float>(std::plus<VecF>(), s);
+  ds += at::vec::vec_reduce_all<float>(std::plus<VecF>(), d);
+  return {m + std::log(ss), ds / ss};
+}
+
+inline void loss_check(const at::Tensor& logits, const at::Tensor& labels) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logprobs_entropy: logits [N, V] with a contiguous last dimension");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "logprobs_entropy: logits float32 or bfloat16");
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0) &&
+                  labels.is_contiguous(),
+              "logprobs_entropy: labels contiguous int64 [N]");
+  const int64_t* lab = labels.data_ptr<int64_t>();
+  for (int64_t i = 0; i < labels.size(0); ++i)
+    TORCH_CHECK(lab[i] >= 0 && lab[i] < logits.size(1), "logprobs_entropy: label ", lab[i], " at row ", i,
+                " is not in [0, ", logits.size(1), ")");
+}
+
+}  // namespace loss
+
+// (log-prob, entropy, lse, E), each [N] float32: see namespace loss.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_entropy_fwd(const at::Tensor& logits,
+                                                                                const at::Tensor& labels,
+                                                                                double scale) {
+  loss::loss_check(logits, labels);
+  const int64_t N = logits.size(0), V = logits.size(1), rs = logits.stride(0);
+  const auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor lp = at::empty({N}, f32), ent = at::empty({N}, f32), lse = at::empty({N}, f32),
+             expected = at::empty({N}, f32);
+  float *lpp = lp.data_ptr<float>(), *entp = ent.data_ptr<float>(), *lsep = lse.data_ptr<float>(),
+        *ep = expected.data_ptr<float>();
+  const int64_t* lab = labels.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* src) {
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> x(V);
+      for (int64_t i = begin; i < end; ++i) {
+        loss::scaled_row(src + i * rs, V, sc, x.data());
+        const auto [l, e] = loss::lse_expected(x.data(), V);
+        lsep[i] = l;
+        ep[i] = e;
+        lpp[i] = x[lab[i]] - l;
+        entp[i] = l - e;
+      }
+    });
+  };
+  if (logits.scalar_type() == at::kFloat)
+    run(logits.data_ptr<float>());
+  else
+    run(logits.data_ptr<c10::BFloat16>());
+  return {lp, ent, lse, expected};
+}
+
+// The gradient of sum(g_lp * log-prob + g_h * entropy) with respect to the logits, in their dtype: with x = scale * l,
+// d/dx_j = -p_j (g_lp + g_h (x_j - E)) + g_lp 1[j = label], p_j = exp(x_j - lse); times scale.
+at::Tensor logprobs_entropy_bwd(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& lse,
+                                const at::Tensor& expected, const at::Tensor& g_lp, const at::Tensor& g_h,
+                                double scale) {
+  loss::loss_check(logits, labels);
+  const int64_t N = logits.size(0), V = logits.size(1), rs = logits.stride(0);
+  for (const at::Tensor* t : {&lse, &expected, &g_lp, &g_h})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
+                "logprobs_entropy_bwd: lse, expected and the gradients contiguous float32 [N]");
+  at::Tensor grad = at::empty({N, V}, logits.options());
+  const float *lsep = lse.data_ptr<float>(), *ep = expected.data_ptr<float>(), *glp = g_lp.data_ptr<float>(),
+              *gh = g_h.data_ptr<float>();
+  const int64_t* lab = labels.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* src, auto* dst) {
+    using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(dst)>>;
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> x(V);
+      for (int64_t i = begin; i < end; ++i) {
+        loss::scaled_row(src + i * rs, V, sc, x.data());
+        const float a = glp[i], b = gh[i], l = lsep[i], e = ep[i];
+        // -p (a + b (x - E)) scale = p (c0 + c1 x) with c0 = -(a - b E) scale, c1 = -b scale
+        const float c0 = -(a - b * e) * sc, c1 = -b * sc;
+        const VecF vl(l), v0(c0), v1(c1);
+        int64_t j = 0;
+        for (; j + VecF::size() <= V; j += VecF::size()) {
+          const VecF xv = VecF::loadu(x.data() + j);
+          ((xv - vl).exp() * at::vec::fmadd(v1, xv, v0)).store(x.data() + j);
+        }
+        for (; j < V; ++j) x[j] = std::exp(x[j] - l) * (c0 + c1 * x[j]);
+        x[lab[i]] += a * sc;
+        scalar_t* out = dst + i * V;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          std::memcpy(out, x.data(), V * sizeof(float));
+        } else {
+          using VecB = at::vec::Vectorized<c10::BFloat16>;
+          j = 0;
+          for (; j + VecB::size() <= V; j += VecB::size())
+            at::vec::convert_float_bfloat16(VecF::loadu(x.data() + j), VecF::loadu(x.data() + j + VecF::size()))
+                .store(out + j);
+          for (; j < V; ++j) out[j] = static_cast<scalar_t>(x[j]);
+        }
+      }
+    });
+  };
+  if (logits.scalar_type() == at::kFloat)
+    run(logits.data_ptr<float>(), grad.data_ptr<float>());
+  else
+    run(logits.data_ptr<c10::BFloat16>(), grad.data_ptr<c10::BFloat16>());
+  return grad;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ragen_cpu_attention, m) {
@@ -1316,6 +1478,9 @@ TORCH_LIBRARY(ragen_cpu_attention, m) {
         "(Tensor, Tensor)");
   m.def("segment_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, Tensor bounds, "
         "float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("logprobs_entropy_fwd(Tensor logits, Tensor labels, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("logprobs_entropy_bwd(Tensor logits, Tensor labels, Tensor lse, Tensor expected, Tensor g_lp, Tensor g_h, "
+        "float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) {
   m.impl("decode_attention", &decode_attention);
@@ -1325,6 +1490,8 @@ TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("segment_attention_fwd", &segment_attention_fwd);
   m.impl("segment_attention_bwd", &segment_attention_bwd);
+  m.impl("logprobs_entropy_fwd", &logprobs_entropy_fwd);
+  m.impl("logprobs_entropy_bwd", &logprobs_entropy_bwd);
 }
 """
 
@@ -1547,6 +1714,18 @@ def segment_ops() -> Any | None:
         return None
     ops = torch.ops.ragen_cpu_attention
     return ops if ops.segment_attention_available() else None
+
+
+@functools.cache
+def loss_ops() -> Any | None:
+    """The output layer's fused loss terms where the kernel is built (else None): ``logprobs_entropy_fwd(logits,
+    labels, scale) -> (logprob, entropy, lse, expected)`` and ``logprobs_entropy_bwd(logits, labels, lse, expected,
+    g_logprob, g_entropy, scale) -> grad``; logits [N, V] float32 or bf16 (last dimension contiguous), labels [N]
+    int64, the rest [N] float32; the scores are those of softmax(scale * logits), the gradient is the logits' own, in
+    their dtype. ``RAGEN_FUSED_LOSS=0`` turns them off (the trainer then uses losses.logprobs_and_entropy)."""
+    if os.environ.get("RAGEN_FUSED_LOSS", "1") == "0" or _op() is None:
+        return None
+    return torch.ops.ragen_cpu_attention
 
 
 def step_ops() -> Any | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -241,7 +242,8 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = """
 import sys, pytest, torch
 assert str(torch.backends.cpu.get_cpu_capability()) == sys.argv[1], torch.backends.cpu.get_cpu_capability()
-chosen = "(matches or shared or no_real or wholly or builds or panel or step_ops or segment) and not avx2_cpu"
+chosen = ("(matches or shared or no_real or wholly or builds or panel or step_ops or segment or loss_ops) "
+          "and not avx2_cpu")
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[2], "-k", chosen]))
 """
 
@@ -327,6 +329,90 @@ def test_step_ops_refuse_bad_inputs_with_a_clear_error():
     with pytest.raises(RuntimeError, match="rotary_kv: float32 or bfloat16"):
         ops.rotary_kv(torch.randn(2, 3 * 8).half(), cos, sin, k_cache, v_cache, 0, 1, 1)
     assert not k_cache.any() and not v_cache.any()
+
+
+def _loss_reference(logits, labels, scale, g_lp, g_h):
+    """losses.logprobs_and_entropy of scale·logits in float64: (log-prob, entropy, d/dlogits of Σ g_lp·lp + g_h·H)."""
+    from ragen_core.algos import losses
+
+    x = logits.detach().double().requires_grad_()
+    lp, ent = losses.logprobs_and_entropy((x * scale)[None], labels[None])
+    (lp[0] * g_lp.double() + ent[0] * g_h.double()).sum().backward()
+    return lp[0].detach(), ent[0].detach(), x.grad
+
+
+@pytest.mark.usefixtures("needs_compiler")
+def test_loss_ops_golden():
+    """Hand-computed: logits (0, ln 3) give p = (1/4, 3/4), lse = ln 4, E = (3/4) ln 3; label 1 scores ln 3 − ln 4,
+    the entropy is ln 4 − (3/4) ln 3; d log-prob/dl = (−1/4, 1/4), dH/dl = −p (l − E) = (3/16, −3/16) ln 3. At scale 2
+    on logits (0, ln 3 / 2) the scores are the same and each gradient doubles."""
+    ops = cpu_attention.loss_ops()
+    assert ops is not None
+    ln3, ln4 = math.log(3.0), math.log(4.0)
+    for scale in (1.0, 2.0):
+        logits = torch.tensor([[0.0, ln3 / scale]])
+        lp, ent, lse, expected = ops.logprobs_entropy_fwd(logits, torch.tensor([1]), scale)
+        torch.testing.assert_close(lp, torch.tensor([ln3 - ln4]))
+        torch.testing.assert_close(ent, torch.tensor([ln4 - 0.75 * ln3]))
+        torch.testing.assert_close(lse, torch.tensor([ln4]))
+        torch.testing.assert_close(expected, torch.tensor([0.75 * ln3]))
+        one, zero = torch.ones(1), torch.zeros(1)
+        d_lp = ops.logprobs_entropy_bwd(logits, torch.tensor([1]), lse, expected, one, zero, scale)
+        d_h = ops.logprobs_entropy_bwd(logits, torch.tensor([1]), lse, expected, zero, one, scale)
+        torch.testing.assert_close(d_lp, scale * torch.tensor([[-0.25, 0.25]]))
+        torch.testing.assert_close(d_h, scale * torch.tensor([[3 / 16 * ln3, -3 / 16 * ln3]]))
+
+
+@pytest.mark.usefixtures("needs_compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 1 / 0.7])
+def test_loss_ops_match_logprobs_and_entropy(dtype, scale):
+    """The fused output-layer loss (trainer/forward.py) against losses.logprobs_and_entropy in float64, at a
+    vocabulary of SmolLM2's size plus a few (vector tails), rows 2 apart (a strided input): values within float32
+    summation, the gradient within the rounding of its dtype, bit for bit the same on a second run."""
+    ops = cpu_attention.loss_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 7, 49152 + 13
+    logits = (torch.randn(2 * n, vocab, generator=g) * 4).to(dtype)[::2]
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    lp, ent, lse, expected = ops.logprobs_entropy_fwd(logits, labels, scale)
+    ref_lp, ref_ent, ref_grad = _loss_reference(logits, labels, scale, g_lp, g_h)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=2e-5)
+    grad = ops.logprobs_entropy_bwd(logits, labels, lse, expected, g_lp, g_h, scale)
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    step = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert float((grad.double() - ref_grad).abs().max()) <= step * float(ref_grad.abs().max())
+    again = ops.logprobs_entropy_bwd(logits, labels, lse, expected, g_lp, g_h, scale)
+    assert torch.equal(grad, again)
+
+
+@pytest.mark.usefixtures("needs_compiler")
+def test_loss_ops_refuse_bad_inputs_with_a_clear_error():
+    """A label outside the vocabulary, logits that are not [N, V] float32 or bf16, labels of another length or
+    dtype: an error that names the op and what it takes."""
+    ops = cpu_attention.loss_ops()
+    assert ops is not None
+    logits, labels = torch.randn(3, 10), torch.tensor([0, 9, 4])
+    with pytest.raises(RuntimeError, match="logprobs_entropy: label 10 at row 1 is not in \\[0, 10\\)"):
+        ops.logprobs_entropy_fwd(logits, torch.tensor([0, 10, 4]), 1.0)
+    with pytest.raises(RuntimeError, match="logprobs_entropy: label -1 at row 0"):
+        ops.logprobs_entropy_fwd(logits, torch.tensor([-1, 0, 4]), 1.0)
+    with pytest.raises(RuntimeError, match="logprobs_entropy: logits \\[N, V\\]"):
+        ops.logprobs_entropy_fwd(logits[None], labels, 1.0)
+    with pytest.raises(RuntimeError, match="logprobs_entropy: logits \\[N, V\\]"):
+        ops.logprobs_entropy_fwd(logits.t(), labels, 1.0)
+    with pytest.raises(RuntimeError, match="logprobs_entropy: logits float32 or bfloat16"):
+        ops.logprobs_entropy_fwd(logits.double(), labels, 1.0)
+    with pytest.raises(RuntimeError, match="logprobs_entropy: labels contiguous int64 \\[N\\]"):
+        ops.logprobs_entropy_fwd(logits, labels[:2], 1.0)
+    with pytest.raises(RuntimeError, match="logprobs_entropy: labels contiguous int64 \\[N\\]"):
+        ops.logprobs_entropy_fwd(logits, labels.int(), 1.0)
+    _, _, lse, expected = ops.logprobs_entropy_fwd(logits, labels, 1.0)
+    with pytest.raises(RuntimeError, match="logprobs_entropy_bwd: lse, expected and the gradients"):
+        ops.logprobs_entropy_bwd(logits, labels, lse, expected, torch.ones(2), torch.ones(3), 1.0)
 
 
 @pytest.mark.usefixtures("needs_compiler")

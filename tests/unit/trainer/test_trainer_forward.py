@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ragen_core.models import tiny_random
+from ragen_core.rollout.generators import cpu_attention
 from ragen_core.trainer import forward
 from ragen_core.trainer.forward import (
     ONE_PIECE_LOGITS_BYTES,
@@ -25,6 +26,7 @@ from ragen_core.trainer.forward import (
     split_attention,
     split_pays,
 )
+from tests.conftest import require
 
 
 def _full_reference(model, ids, attn, temperature):
@@ -37,9 +39,24 @@ def _full_reference(model, ids, attn, temperature):
     return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
 
 
+@pytest.fixture(params=["fused", "torch"])
+def loss_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The output layer's loss on cpu_attention's fused kernel (where it builds: else the test skips, and fails
+    under CI) or on losses.logprobs_and_entropy; yields the list of the kernel's calls."""
+    calls: list[int] = []
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_attention, "loss_ops", lambda: None)
+        return calls
+    require(cpu_attention.loss_ops() is not None, "no C++ compiler to build the fused loss kernel")
+    apply = forward._FusedLogprobsEntropy.apply
+    monkeypatch.setattr(forward._FusedLogprobsEntropy, "apply", lambda *a: calls.append(1) or apply(*a))
+    return calls
+
+
 @pytest.mark.parametrize("chunk,one_piece_bytes", [(1, 0), (3, 0), (7, 0), (64, 0), (3, ONE_PIECE_LOGITS_BYTES)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_equals_full_logits_values_and_grads(chunk: int, one_piece_bytes: int, temperature: float) -> None:
+def test_chunked_equals_full_logits_values_and_grads(chunk: int, one_piece_bytes: int, temperature: float,
+                                                     loss_path: list[int], request: pytest.FixtureRequest) -> None:
     # one_piece_bytes=0 forces the chunks (and their recompute); the default takes these small logits whole.
     model, _ = tiny_random(0)
     model.train()
@@ -63,6 +80,7 @@ def test_chunked_equals_full_logits_values_and_grads(chunk: int, one_piece_bytes
         # output-layer gradient chunk by chunk, the plain one in one matmul (~1e-7 relative per term).
         scale = float(g_ref.abs().max()) + 1e-12
         assert float((p.grad - g_ref).abs().max()) <= 1e-5 * scale
+    assert bool(loss_path) == ("fused" in request.node.callspec.id)  # the kernel ran exactly where it was on
 
 
 def test_alignment_position_zero_and_next_token() -> None:

@@ -132,7 +132,8 @@ def test_bf16_forwards_reuse_copies_of_the_frozen_weights_and_compute_the_same(l
     """On a CPU under bf16 autocast the torch engine keeps bf16 copies of the frozen linear weights (a LoRA base,
     a separate reference model) instead of casting them in every forward (engine.FrozenCasts): the update's
     gradients are bitwise those of plain autocast; outside a forward the layers hold their fp32 weights; the
-    copies are made once and remade when a weight changes; weights tied to the embedding are not copied."""
+    copies are made once and remade when a weight changes; an output layer tied to the embedding gets a copy in
+    the linear layer only, while the embedding looks up its fp32 weight."""
     overrides = ["trainer.precision=bf16", "model.lora_rank=4"] if lora else ["trainer.precision=bf16",
                                                                               "algorithm.kl_coef=0.01"]
     grads = {}
@@ -141,8 +142,14 @@ def test_bf16_forwards_reuse_copies_of_the_frozen_weights_and_compute_the_same(l
         state = init_state(cfg)
         frozen = state.actor_engine.frozen
         assert frozen is not None and frozen.layers
-        embeddings = {id(m.weight) for m in state.models.actor.modules() if isinstance(m, torch.nn.Embedding)}
-        assert not any(id(layer.weight) in embeddings for layer in frozen.layers)
+        models = [m for m in (state.models.actor, state.models.ref) if m is not None]
+        embeddings = {id(m.weight): m for model in models for m in model.modules()
+                      if isinstance(m, torch.nn.Embedding)}
+        tied = [layer for layer in frozen.layers if id(layer.weight) in embeddings]
+        assert len(tied) == 1  # the frozen model's output layer (the tiny model ties it)
+        with frozen.swapped():
+            assert tied[0].weight.dtype == torch.bfloat16
+            assert {e.weight.dtype for e in embeddings.values()} == {torch.float32}
         if not cached:
             state.actor_engine.frozen = None
         grads[cached] = first_step_grads(state, cfg)
