@@ -26,7 +26,8 @@ Three ratios and peak memory:
   ``p2_ckpt`` = raw ÷ ours step time, both checkpointed (separate processes, run one after another).
 - ``loss``: the output layer and its log-prob/entropy loss, forward + backward, on the demo's micro-batch
   (8 x 40 positions): ``loss_speedup`` = autograd's chain (einsum entropy) ÷ ``losses.logprobs_and_entropy``
-  with its gradient written out, interleaved 12 times, the median of the best 6.
+  with its gradient written out, interleaved 12 times, the median of the best 6; ``loss_fused_speedup`` (fp32) and
+  ``loss_fused_speedup_bf16`` (under bf16 autocast) = the written-out pass ÷ the trainer's fused CPU kernel.
 - ``pack``: one prompt group's forward + backward with its replies packed into one row vs padded to the
   longest (``forward.hidden_states``), for four shapes of group; ``pack_speedup`` per case and
   ``pack_model_right``: whether ``forward.pack_pays`` chose the faster layout in each.
@@ -298,29 +299,52 @@ def _autograd_logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tu
 
 def bench_loss(args: argparse.Namespace) -> dict[str, Any]:
     """The output layer and its log-prob/entropy loss, forward + backward, on the demo's micro-batch (8 x 40
-    positions): ``losses.logprobs_and_entropy`` (gradient written out) vs autograd's chain, interleaved."""
+    positions), interleaved: ``losses.logprobs_and_entropy`` (gradient written out) vs autograd's chain
+    (``loss_speedup``), and the trainer's fused CPU kernel (``forward._FusedLogprobsEntropy``) vs the written-out
+    pass (``loss_fused_speedup``, in fp32, and under bf16 autocast as the trainer runs on a CPU with bf16 products:
+    ``loss_fused_speedup_bf16``)."""
     from ragen_core.algos import losses
     from ragen_core.models import load_model
-    from ragen_core.trainer.forward import decoder_and_head
+    from ragen_core.rollout.generators import cpu_attention
+    from ragen_core.trainer.forward import _FusedLogprobsEntropy, decoder_and_head
 
     _, head = decoder_and_head(load_model(DEFAULT_MODEL))
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(8, 40, head.weight.shape[1], generator=g)
     labels = torch.randint(0, head.weight.shape[0], (8, 40), generator=g)
-    sides = {"written_out": losses.logprobs_and_entropy, "autograd": _autograd_logprobs_entropy}
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for r in range(12):
-        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-            h = hidden.clone().requires_grad_(True)
-            with Clock() as clock:
-                lp, ent = sides[name](head(h).float(), labels)
-                (lp.sum() + 0.01 * ent.sum()).backward()
-            head.weight.grad = None
-            times[name].append(clock.wall)
-    best = {k: sorted(v)[:6][3] for k, v in times.items()}  # median of the best 6
-    print(f"loss: written out {best['written_out'] * 1e3:.0f} ms, autograd {best['autograd'] * 1e3:.0f} ms", flush=True)
-    return {"loss_ms": {k: round(v * 1e3, 1) for k, v in best.items()},
-            "loss_speedup": round(best["autograd"] / best["written_out"], 3)}
+    ops = cpu_attention.loss_ops()
+
+    def fused(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = _FusedLogprobsEntropy.apply(logits.flatten(0, -2), labels.flatten(), 1.0, ops)
+        return lp.view(labels.shape), ent.view(labels.shape)
+
+    out: dict[str, Any] = {}
+    for precision in ("fp32", "bf16"):
+        sides = {"written_out": losses.logprobs_and_entropy, "autograd": _autograd_logprobs_entropy}
+        if ops is not None:
+            sides["fused"] = fused
+        times: dict[str, list[float]] = {k: [] for k in sides}
+        for r in range(12):
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                h = hidden.clone().requires_grad_(True)
+                with Clock() as clock:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                        logits = head(h)
+                    if name == "autograd" or precision == "fp32":
+                        logits = logits.float()
+                    lp, ent = sides[name](logits, labels)
+                    (lp.sum() + 0.01 * ent.sum()).backward()
+                head.weight.grad = None
+                times[name].append(clock.wall)
+        best = {k: sorted(v)[:6][3] for k, v in times.items()}  # median of the best 6
+        print(f"loss ({precision}): " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.items()), flush=True)
+        suffix = "" if precision == "fp32" else "_bf16"
+        out[f"loss_ms{suffix}"] = {k: round(v * 1e3, 1) for k, v in best.items()}
+        if precision == "fp32":
+            out["loss_speedup"] = round(best["autograd"] / best["written_out"], 3)
+        if "fused" in best:
+            out[f"loss_fused_speedup{suffix}"] = round(best["written_out"] / best["fused"], 3)
+    return out
 
 
 # --------------------------------------------------------------------------- pack
