@@ -14,8 +14,8 @@ calls (``bench/attention.py``, docs/benchmarks.md).
 :func:`segment_attention` is a transformers attention function. Inside :func:`use_segment_attention` (which
 :func:`ragen_core.trainer.forward.hidden_states` enters), a CPU decoder that runs ``sdpa`` runs it instead:
 where the kernel applies (built, the CPU has AVX512-BF16, bf16 compute, head size 64, no dropout, a mask of that
-form) it runs the kernel, and everywhere else :func:`ragen_core.trainer.forward.split_attention`, i.e. torch's
-kernels as before. ``RAGEN_SEGMENT_ATTENTION=0`` turns it off.
+form) it runs the kernel, and everywhere else :func:`ragen_core.trainer.forward.split_attention` (torch's sdpa
+kernels). ``RAGEN_SEGMENT_ATTENTION=0`` turns it off.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ CASES = {  # name: (bounds [B, Lq, 3], Lk, query heads, key heads)
     "packed": (attention.packed_bounds(10, [5, 7]), 22, 9, 3),
     "packed-long": (attention.packed_bounds(70, [1, 64, 23, 130]), 288, 9, 3),
     "bandit-group": (attention.packed_bounds(187, [26] * 8), 395, 4, 4),
-    # three rows continuing a cache of 30: right padding, a row with 12 real tokens of 20
+    # three rows continuing a cache of 30: right padding, a row with 12 real tokens of 20, a row whose cache has a
+    # hole (keys 5-8 left out)
     "cache": (torch.stack([torch.tensor([(0, 0, 30 + i) for i in range(20)]),
                            torch.tensor([(0, 0, 30 + min(i, 11)) if i < 12 else (42, 1, 0) for i in range(20)]),
                            torch.tensor([(5, 9, 30 + i) for i in range(20)])]).to(torch.int32), 50, 6, 2),
