@@ -1300,7 +1300,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_bwd(
 #endif
 }
 
-// ---- the output layer's loss terms (ragen_core/trainer/forward.py: fused_logprobs_entropy): per row of logits l
+// ---- the output layer's loss terms (ragen_core/trainer/forward.py: _FusedLogprobsEntropy): per row of logits l
 // [N, V] (float32 or bf16), with x = scale * l, p = softmax(x), lse = logsumexp(x) and E = sum p x: the log-prob
 // x[label] - lse and the entropy lse - E, in float32, one row at a time in a float32 copy that stays in the cache.
 // torch's path makes vocabulary-sized fresh tensors (the float32 softmax, the casts), whose first touch costs more

@@ -42,7 +42,7 @@ def _full_reference(model, ids, attn, temperature):
 @pytest.fixture(params=["fused", "torch"])
 def loss_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The output layer's loss on cpu_attention's fused kernel (where it builds: else the test skips, and fails
-    under CI) or on losses.logprobs_and_entropy; yields the list of the kernel's calls."""
+    under CI) or on losses.logprobs_and_entropy; returns the list that records the kernel's calls."""
     calls: list[int] = []
     if request.param == "torch":
         monkeypatch.setattr(cpu_attention, "loss_ops", lambda: None)
