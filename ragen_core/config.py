@@ -64,6 +64,14 @@ def data_dir() -> Path:
     return Path(raw or "data").expanduser().resolve()
 
 
+def data_file(name: str) -> Path:
+    """``$RAGEN_DATA_DIR/name``, the folder made if it is not there yet: a default SQLite database (MLflow's,
+    Optuna's) goes there, and SQLite does not make the folder of a file it creates."""
+    folder = data_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
 MAX_RUN_NAME = 200
 """Longest run name (a folder name: filesystems stop at 255 bytes)."""
 MAX_NAME_PREFIX = 160

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
 
-from ragen_core.config import ConfigError, SweepConfig, data_dir
+from ragen_core.config import ConfigError, SweepConfig, data_file
 from ragen_core.memory import peak_rss_bytes
 from ragen_core.sweeps.objective import COST_KEYS, run_cost
 from ragen_core.tracking.early_stop import HEALTH_STOP
@@ -104,7 +104,7 @@ and where a trial's worker finds the password its parameters leave out (:func:`t
 
 def storage_url(sweep: SweepConfig) -> str:
     """The sweep's ``storage``, else ``$RAGEN_OPTUNA_STORAGE``, else ``sqlite:///$RAGEN_DATA_DIR/optuna.db``."""
-    return sweep.storage or os.environ.get(STORAGE_ENV) or f"sqlite:///{data_dir() / 'optuna.db'}"
+    return sweep.storage or os.environ.get(STORAGE_ENV) or f"sqlite:///{data_file('optuna.db')}"
 
 
 def trial_storage(url: str, known: Sequence[str | None]) -> str:

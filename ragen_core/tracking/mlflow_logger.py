@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragen_core.config import data_dir
+from ragen_core.config import data_file
 from ragen_core.store.run_dir import RunDir
 from ragen_core.tracking.logger import check_metric_names, check_status, check_table
 from ragen_core.tracking.outbox import Outbox, OutboxMismatch
@@ -103,7 +103,7 @@ order. Only a chart view not yet arranged by hand: the UI keeps a user's layout 
 
 def default_tracking_uri() -> str:
     """``$MLFLOW_TRACKING_URI`` when set (a team server), else ``sqlite:///$RAGEN_DATA_DIR/mlflow.db``."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_file('mlflow.db')}"
 
 
 def _is_busy(exc: Exception | None) -> bool:

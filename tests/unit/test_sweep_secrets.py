@@ -36,3 +36,17 @@ def test_the_storage_may_come_from_the_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(STORAGE_ENV, FULL)
     assert storage_url(SweepConfig(name="s")) == FULL
     assert storage_url(SweepConfig(name="s", storage="sqlite:///x.db")) == "sqlite:///x.db"  # the file wins
+
+
+def test_the_default_storage_opens_in_a_data_dir_not_made_yet(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A fresh ``$RAGEN_DATA_DIR`` (a study's first run there): the default SQLite storage's folder is made, so
+    Optuna opens it, where SQLite alone stops at 'unable to open database file'."""
+    import optuna
+
+    fresh = tmp_path / "new" / "data"
+    monkeypatch.setenv("RAGEN_DATA_DIR", str(fresh))
+    monkeypatch.delenv(STORAGE_ENV, raising=False)
+    url = storage_url(SweepConfig(name="s"))
+    assert url == f"sqlite:///{fresh / 'optuna.db'}"
+    optuna.create_study(study_name="s", storage=url)
+    assert (fresh / "optuna.db").is_file()

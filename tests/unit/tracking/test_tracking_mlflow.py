@@ -281,6 +281,7 @@ def test_default_tracking_uri(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("RAGEN_DATA_DIR", str(tmp_path / "d"))
     assert default_tracking_uri() == f"sqlite:///{tmp_path}/d/mlflow.db"
+    assert (tmp_path / "d").is_dir()  # made for SQLite, which does not make a database file's folder
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAGEN_DATA_DIR", "rel")
     assert default_tracking_uri() == f"sqlite:///{tmp_path}/rel/mlflow.db"  # always absolute
