@@ -6,12 +6,14 @@ row, and a plain causal row. Each shape runs, alternated, as the update runs it 
 kernel), as one torch SDPA call on the packed row's block mask, and as forward.split_attention's calls (the prefix
 causally, each row over the prefix and itself), all in bf16 with the key heads repeated as transformers repeats
 them. Prints milliseconds (the faster half of the repeats, averaged), the useful GFLOP/s (4·d·heads per attended
-pair forward, 10 more backward) and the ratio torch ÷ segment for each. Needs a CPU with AVX512-BF16.
+pair forward, 10 more backward) and the ratio torch ÷ segment for each. Where the segment kernel's products run on
+AMX tiles (cpu_attention.segment_amx), it also runs with them on vdpbf16ps, and prints that ratio too (``amx_speedup``).
+Needs a CPU with AVX512-BF16.
 
 Run:  .venv/bin/python bench/attention.py [--repeats 10]
 
 The last line printed is one JSON object: {"<shape>": {"segment_ms": ..., "block_mask_ms": ..., "split_ms": ...,
-"speedup_vs_block_mask": ..., "speedup_vs_split": ...}, ...}
+"speedup_vs_block_mask": ..., "speedup_vs_split": ..., ["segment_vdpbf16ps_ms": ..., "amx_speedup": ...]}, ...}
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def timed(fn: Callable[[], None], repeats: int) -> float:
     return sum(half) / len(half) * 1e3
 
 
-def measure(prefix: int, tails: list[int], repeats: int) -> dict[str, float]:
-    """One packed row's attention, forward and backward, three ways (module docstring), alternated twice."""
+def measure(prefix: int, tails: list[int], repeats: int, amx: bool) -> dict[str, float]:
+    """One packed row's attention, forward and backward, three ways (four with ``amx``: module docstring),
+    alternated twice."""
     length = prefix + sum(tails)
     bounds = packed_bounds(prefix, tails)
     j = torch.arange(length)
@@ -84,14 +87,26 @@ def measure(prefix: int, tails: list[int], repeats: int) -> dict[str, float]:
                                                         torch.cat([vs[0], vs[i]], 2), attn_mask=row, scale=SCALE))
         torch.cat(parts, 2).transpose(1, 2).backward(grad)
 
-    times = {"segment": 0.0, "block_mask": 0.0, "split": 0.0}
-    for _ in range(2):  # alternated, so that the machine's drift falls on all three
-        for key, fn in (("segment", segment), ("block_mask", block_mask), ("split", split)):
+    def segment_vdpbf16ps() -> None:
+        cpu_attention.segment_amx(False)
+        try:
+            segment()
+        finally:
+            cpu_attention.segment_amx(True)
+
+    sides = [("segment", segment), ("block_mask", block_mask), ("split", split)]
+    if amx:
+        sides.append(("segment_vdpbf16ps", segment_vdpbf16ps))
+    times = dict.fromkeys((key for key, _ in sides), 0.0)
+    for _ in range(2):  # alternated, so that the machine's drift falls on all of them
+        for key, fn in sides:
             times[key] += timed(fn, repeats) / 2
     row: dict[str, float] = {f"{key}_ms": round(ms, 2) for key, ms in times.items()}
     row.update(pairs=pairs, segment_gflop_per_s=round(14 * D * HEADS * pairs / times["segment"] / 1e6, 1),
                speedup_vs_block_mask=round(times["block_mask"] / times["segment"], 2),
                speedup_vs_split=round(times["split"] / times["segment"], 2))
+    if amx:
+        row.update(amx_speedup=round(times["segment_vdpbf16ps"] / times["segment"], 2))
     return row
 
 
@@ -102,13 +117,17 @@ def main() -> None:
     if cpu_attention.segment_ops() is None:
         sys.exit("the segment kernel does not run here (no compiler, or a CPU without AVX512-BF16)")
     torch.manual_seed(0)
+    amx = cpu_attention.segment_amx()
+    print(f"segment kernel's products: {'AMX tiles (oneDNN)' if amx else 'vdpbf16ps'}", flush=True)
     result = {}
     for name, (prefix, tails) in SHAPES.items():
-        row = result[name] = measure(prefix, tails, args.repeats)
+        row = result[name] = measure(prefix, tails, args.repeats, amx)
+        vdp = (f", on vdpbf16ps {row['segment_vdpbf16ps_ms']:7.2f} ms ({row['amx_speedup']:.2f}x)"
+               if amx else "")
         print(f"{name:20s} {row['pairs'] / 1e3:6.0f}k pairs: segment {row['segment_ms']:7.2f} ms "
               f"({row['segment_gflop_per_s']:.0f} GFLOP/s), block mask {row['block_mask_ms']:7.2f} ms "
               f"({row['speedup_vs_block_mask']:.2f}x), split {row['split_ms']:7.2f} ms "
-              f"({row['speedup_vs_split']:.2f}x)", flush=True)
+              f"({row['speedup_vs_split']:.2f}x){vdp}", flush=True)
     print(json.dumps(result))
 
 

@@ -86,8 +86,8 @@ from filelock import Timeout
 
 from ragen_core.torch_builds import exclusive_build
 
-__all__ = ["Panels", "Shared", "build_root", "compiler", "decode_attention", "kernel_available", "pack_panels",
-           "panel_linear", "panels_pay", "segment_ops", "step_ops"]
+__all__ = ["Panels", "Shared", "build_root", "compiler", "decode_attention", "kernel_available", "loss_ops",
+           "pack_panels", "panel_linear", "panels_pay", "segment_amx", "segment_ops", "step_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ _SOURCE = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -804,11 +805,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // (bounds [B, Lq, 3]), which covers a causal row, a right-padded one, and a packed row of a shared prompt and its
 // replies (trainer/attention.py); with flags on the first range (valid [B, Lk]), also a prefill over kept caches
 // with holes (decode_step.py, forward only). A block of 16 query positions times the query heads of one key head
-// runs against
-// blocks of 64 keys, skipping those no row of the block sees; the products are vdpbf16ps (AVX512-BF16) on
-// operands packed in pairs along the sum, accumulated in fp32; the softmax is online, in fp32, as
-// FlashAttention-2 runs it. Only these functions carry the bf16 instructions (a target attribute), and
-// segment_attention_available() asks the CPU before any runs: the same build serves AVX512 CPUs without them.
+// runs against blocks of 64 keys, skipping those no row of the block sees; the products are vdpbf16ps
+// (AVX512-BF16), or oneDNN's AMX micro-kernel where the CPU has AMX, on operands packed in pairs along the sum,
+// accumulated in fp32; the softmax is online, in fp32, as FlashAttention-2 runs it. Only these functions carry the
+// bf16 instructions (a target attribute), and segment_attention_available() asks the CPU before any runs: the same
+// build serves AVX512 CPUs without them.
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
 #define SEG_BF16 1
 #define SEG_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
@@ -846,9 +847,24 @@ SEG_TARGET inline void mk(float* C, int64_t ldc, const uint16_t* A, int64_t lda,
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
 }
 
-// rows (a multiple of 4) of A against Bp: 4 rows a tile
+// rows (a multiple of 4) of A against Bp: 4 rows a tile, or one oneDNN call on AMX
+// Where oneDNN runs bf16 products on AMX tiles (cpublas::could_pack: its ISA is avx512_core_amx or later), mm
+// hands them to torch's oneDNN micro-kernel (cpublas::brgemm; B in the same pairs layout, as oneDNN's VNNI
+// format), which runs them at 4-6 times vdpbf16ps's rate on these tile shapes; segment_attention_amx switches it.
+std::atomic<bool> amx{false};
+
+// A thread's AMX tile state, given back when it has run its share of a call's blocks.
+inline void release_tiles() {
+  if (amx.load(std::memory_order_relaxed)) at::native::cpublas::brgemm_release(true);
+}
+
 SEG_TARGET inline void mm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint32_t* Bp, int np,
                           int rows, bool accumulate) {
+  if (amx.load(std::memory_order_relaxed)) {
+    at::native::cpublas::brgemm(rows, 64, 2 * np, lda, 64, ldc, accumulate, (const at::BFloat16*)A,
+                                (const at::BFloat16*)Bp, C, true);
+    return;
+  }
   for (int r = 0; r < rows; r += 4) mk<4>(C + r * ldc, ldc, A + r * lda, lda, Bp, np, accumulate);
 }
 
@@ -1135,6 +1151,7 @@ void dynamic_for(int64_t n, F work) {
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t item = next++; item < n; item = next++) work(item, t);
+    release_tiles();
   });
 }
 }  // namespace seg
@@ -1158,6 +1175,16 @@ void segment_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 bool segment_attention_available() {
 #if defined(SEG_BF16)
   return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// Whether the segment kernel's products run on AMX tiles from now on: `enable` where oneDNN has AMX here.
+bool segment_attention_amx(bool enable) {
+#if defined(SEG_BF16)
+  seg::amx = enable && segment_attention_available() && at::native::cpublas::could_pack(at::kBFloat16);
+  return seg::amx;
 #else
   return false;
 #endif
@@ -1280,6 +1307,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_bwd(
                        dP.data() + t * rows * BK, dSb.data() + t * rows * BK, Pp.data() + t * rows / 2 * 64,
                        dSp.data() + t * rows / 2 * 64, dKT.data() + t * D * BK, dVT.data() + t * D * BK);
       }
+    release_tiles();
   });
   auto dq = at::empty({sh.B, sh.Hq, sh.Lq, D}, q.options());
   uint16_t* dqp = (uint16_t*)dq.data_ptr();
@@ -1474,6 +1502,7 @@ TORCH_LIBRARY(ragen_cpu_attention, m) {
         "int nkv) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("segment_attention_available() -> bool", &segment_attention_available);
+  m.def("segment_attention_amx(bool enable) -> bool", &segment_attention_amx);
   m.def("segment_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor bounds, float scale, Tensor? valid=None) -> "
         "(Tensor, Tensor)");
   m.def("segment_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, Tensor bounds, "
@@ -1709,11 +1738,25 @@ def segment_ops() -> Any | None:
     grad, bounds, scale) -> (dq, dk, dv)``; q [B, Hq, Lq, 64], k and v [B, Hkv, Lk, 64] bf16, bounds [B, Lq, 3]
     int32: query i attends to the keys [0, a) and [b, c] (the first range only to those ``valid`` [B, Lk] bool
     flags, where given); out [B, Lq, Hq, 64] bf16, lse [B, Hq, Lq] float32. ``RAGEN_SEGMENT_ATTENTION=0`` turns them
-    off (the update and the prefill then use torch's attention)."""
+    off (the update and the prefill then use torch's attention). Where oneDNN has AMX on this CPU the kernel's
+    products run on its tiles (:func:`segment_amx`)."""
     if os.environ.get("RAGEN_SEGMENT_ATTENTION", "1") == "0" or _op() is None:
         return None
     ops = torch.ops.ragen_cpu_attention
-    return ops if ops.segment_attention_available() else None
+    if not ops.segment_attention_available():
+        return None
+    segment_amx()
+    return ops
+
+
+def segment_amx(enable: bool | None = None) -> bool:
+    """Whether the segment kernel's products run on AMX tiles from now on: ``enable`` (None: unless
+    ``RAGEN_SEGMENT_AMX=0``) where the kernel runs and oneDNN has AMX on this CPU, else False."""
+    if enable is None:
+        enable = os.environ.get("RAGEN_SEGMENT_AMX", "1") != "0"
+    if _op() is None or not torch.ops.ragen_cpu_attention.segment_attention_available():
+        return False
+    return bool(torch.ops.ragen_cpu_attention.segment_attention_amx(enable))
 
 
 @functools.cache

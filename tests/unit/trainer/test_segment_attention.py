@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,16 +13,25 @@ from ragen_core.trainer import attention, forward
 from tests.conftest import require
 
 
-@pytest.fixture()
-def kernel() -> object:
-    """The segment ops. Without a compiler the test skips (fails under CI); on a CPU without AVX512-BF16 it skips
-    (hardware, as a GPU test does): there the update keeps torch's kernels (the fallback tests below)."""
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def kernel(request: pytest.FixtureRequest) -> Iterator[object]:
+    """The segment ops, their products on vdpbf16ps, then on AMX tiles (cpu_attention.segment_amx). Without a
+    compiler the test skips (fails under CI); on a CPU without AVX512-BF16, or without AMX for the second, it skips
+    (hardware, as a GPU test does): there the update keeps torch's kernels (the fallback tests below), or the
+    vdpbf16ps products."""
     require(cpu_attention.compiler() is not None, "no C++ compiler to build the kernel")
     assert cpu_attention.kernel_available()
     ops = torch.ops.ragen_cpu_attention
     if not ops.segment_attention_available():
         pytest.skip("this CPU has no AVX512-BF16: the segment kernel does not run here")
-    return ops
+    cpu_attention.segment_ops()  # its first call sets the process's default, which the test then overrides
+    amx = request.param == "amx"
+    try:
+        if cpu_attention.segment_amx(amx) != amx:
+            pytest.skip("oneDNN has no AMX on this CPU: the segment kernel's products run on vdpbf16ps")
+        yield ops
+    finally:
+        cpu_attention.segment_amx()  # back to the process's default
 
 
 def _dense(bounds: torch.Tensor, lk: int) -> torch.Tensor:
@@ -84,6 +95,34 @@ def test_forward_and_backward_match_float64_attention_as_closely_as_torchs_bf16(
         err = float((mine.double() - truth).abs().max())
         allowed = 1.5 * float((torchs.detach().double() - truth).abs().max()) + 1e-3 * float(truth.abs().max())
         assert err <= allowed, (name, err, allowed)
+
+
+def test_amx_and_vdpbf16ps_products_agree_within_their_rounding():
+    """Where oneDNN has AMX, the packed bandit group's out, log-sum-exp and gradients with the products on AMX tiles
+    against vdpbf16ps: the same sums of the same bf16 products in fp32, in another order, so within a few bf16
+    ulps (the softmax's bf16 probabilities may round the other way). The switch really changes the path: the two
+    results are not bit for bit the same."""
+    require(cpu_attention.compiler() is not None, "no C++ compiler to build the kernel")
+    ops = torch.ops.ragen_cpu_attention
+    cpu_attention.segment_ops()
+    if not (ops.segment_attention_available() and cpu_attention.segment_amx(True)):
+        pytest.skip("oneDNN has no AMX on this CPU")
+    bounds = attention.packed_bounds(187, [26] * 8)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 395, 64, generator=gen).bfloat16() for h in (9, 3, 3))
+    grad = torch.randn(1, 395, 9, 64, generator=gen).bfloat16()
+    results = {}
+    try:
+        for amx in (True, False):
+            assert cpu_attention.segment_amx(amx) == amx
+            out, lse = ops.segment_attention_fwd(q, k, v, bounds, 0.125)
+            results[amx] = (out, lse, *ops.segment_attention_bwd(q, k, v, out, lse, grad, bounds, 0.125))
+    finally:
+        cpu_attention.segment_amx()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[True], results[False], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02 * float(b.float().abs().max()),
+                                   msg=name)
+    assert not all(torch.equal(a, b) for a, b in zip(results[True], results[False], strict=True))
 
 
 def test_a_query_with_no_key_gets_zero_output_and_no_gradient(kernel):
