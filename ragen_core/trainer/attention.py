@@ -15,7 +15,8 @@ calls (``bench/attention.py``, docs/benchmarks.md).
 :func:`ragen_core.trainer.forward.hidden_states` enters), a CPU decoder that runs ``sdpa`` runs it instead:
 where the kernel applies (built, the CPU has AVX512-BF16, bf16 compute, head size 64, no dropout, a mask of that
 form) it runs the kernel, and everywhere else :func:`ragen_core.trainer.forward.split_attention` (torch's sdpa
-kernels). ``RAGEN_SEGMENT_ATTENTION=0`` turns it off.
+kernels). ``RAGEN_SEGMENT_ATTENTION=0`` turns it off. Where the CPU has AMX, the kernel's products run on its
+tiles (``cpu_attention.segment_amx``; ``RAGEN_SEGMENT_AMX=0`` keeps them on AVX512-BF16's vector products).
 """
 
 from __future__ import annotations

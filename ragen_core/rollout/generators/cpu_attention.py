@@ -42,7 +42,8 @@ the output layer, each weight its own), 129 against 160 ms at 64 rows, 26 agains
 The build also carries the decode step's fused small ops (:func:`step_ops`: a norm with its cast, the rotary
 embedding with the cache append, SiLU times up), each one pass over a step's few rows where torch runs several ops,
 and the update's bf16 attention, forward and backward, for CPUs with AVX512-BF16 (:func:`segment_ops`; used by
-``ragen_core/trainer/attention.py``).
+``ragen_core/trainer/attention.py``), its products on AMX tiles through torch's oneDNN micro-kernel where the CPU
+has AMX (:func:`segment_amx`).
 
 No library offers this attention for a plain (non-paged) cache with its log-sum-exp: vLLM's CPU kernels need its
 paged layout, torch's flash kernel is the one compared above. The source below is written into the build directory
@@ -847,10 +848,9 @@ SEG_TARGET inline void mk(float* C, int64_t ldc, const uint16_t* A, int64_t lda,
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
 }
 
-// rows (a multiple of 4) of A against Bp: 4 rows a tile, or one oneDNN call on AMX
 // Where oneDNN runs bf16 products on AMX tiles (cpublas::could_pack: its ISA is avx512_core_amx or later), mm
-// hands them to torch's oneDNN micro-kernel (cpublas::brgemm; B in the same pairs layout, as oneDNN's VNNI
-// format), which runs them at 4-6 times vdpbf16ps's rate on these tile shapes; segment_attention_amx switches it.
+// hands them to torch's oneDNN micro-kernel (cpublas::brgemm; B in the same pairs layout, oneDNN's VNNI format),
+// which runs them at 3-6 times mk's rate at these shapes; segment_attention_amx switches it.
 std::atomic<bool> amx{false};
 
 // A thread's AMX tile state, given back when it has run its share of a call's blocks.
@@ -858,6 +858,7 @@ inline void release_tiles() {
   if (amx.load(std::memory_order_relaxed)) at::native::cpublas::brgemm_release(true);
 }
 
+// rows (a multiple of 4) of A against Bp: 4 rows a tile, or one oneDNN call on AMX
 SEG_TARGET inline void mm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint32_t* Bp, int np,
                           int rows, bool accumulate) {
   if (amx.load(std::memory_order_relaxed)) {
