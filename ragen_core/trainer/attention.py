@@ -118,6 +118,21 @@ def _kernel() -> bool:
     return cpu_attention.segment_ops() is not None
 
 
+def runs_segment_kernel(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder's attention calls run the segment kernel now, as far as the decoder tells: inside
+    :func:`use_segment_attention` (a CPU, the kernel built and applying to this CPU), bf16 compute (autocast or
+    bf16 weights), head size 64 and no attention dropout. :func:`segment_attention` still checks each call."""
+    config = getattr(decoder, "config", None)
+    if getattr(config, "_attn_implementation", None) != NAME:
+        return False
+    bf16 = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+            else next(decoder.parameters()).dtype) == torch.bfloat16
+    heads = getattr(config, "num_attention_heads", 0)
+    size = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0) if decoder.training else 0.0
+    return bf16 and size == HEAD_SIZE and dropout == 0.0
+
+
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:

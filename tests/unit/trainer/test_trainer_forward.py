@@ -18,8 +18,11 @@ from ragen_core.trainer.forward import (
     chunked_logprobs,
     decoder_and_head,
     first_scored,
+    group_batches,
     hidden_states,
     pack_pays,
+    packed_group,
+    packed_groups,
     policy_forward,
     shared_prefix_groups,
     shift_values,
@@ -449,6 +452,84 @@ def test_backbone_tokens_golden() -> None:
     # A group with one row present (the rest of its group in another micro-batch) runs whole.
     assert backbone_tokens([10, 8], [([0], 6)], pack=True) == 20
     assert backbone_tokens([], [], pack=True) == 0
+
+
+def test_group_batches_golden() -> None:
+    # Longest first: 700 (0), 690 (3), 630 (1), 100 (2), 95 (4). 690 joins 700: 2 x 700 = 1400 <= 1.125 x 1390
+    # = 1563.75; 630 too: 3 x 700 = 2100 <= 1.125 x 2020 = 2272.5; 100 does not: 4 x 700 = 2800 > 1.125 x 2120
+    # = 2385, so it starts a batch, and 95 joins it: 2 x 100 = 200 <= 1.125 x 195 = 219.4.
+    assert group_batches([700, 630, 100, 690, 95]) == [[0, 3, 1], [2, 4]]
+    # No padding allowed: only equal lengths go together, ties in index order.
+    assert group_batches([5, 4, 5], padding=0.0) == [[0, 2], [1]]
+    assert group_batches([7]) == [[0]]
+    assert group_batches([]) == []
+
+
+def test_backbone_tokens_counts_packed_groups_as_they_run_together() -> None:
+    # Two prompt groups on different 4-token prefixes, each packed (short uneven tails under a long budget of
+    # padding): rows 0-2 (lengths 10, 6, 5: tails 6, 2, 1, packed 4 + 9 = 13) and rows 3-5 (lengths 9, 8, 5:
+    # tails 5, 4, 1, packed 4 + 10 = 14). group_batches runs them together padded to 14: 2 x 14 = 28, within
+    # 1/8 of their 27 real positions.
+    lengths = [10, 6, 5, 9, 8, 5]
+    groups = [([0, 1, 2], 4), ([3, 4, 5], 4)]
+    assert pack_pays([6, 2, 1], 4) and pack_pays([5, 4, 1], 4)
+    assert group_batches([13, 14]) == [[1, 0]]
+    assert backbone_tokens(lengths, groups, pack=True) == 28
+    # Padded instead: each prefix once, then 3 x (W - 4) = 18: 2 x 22 = 44.
+    assert backbone_tokens(lengths, groups, pack=False) == 44
+
+
+def _two_packed_groups(g: torch.Generator) -> tuple[list[tuple[torch.Tensor, torch.Tensor, int]], int]:
+    """Two prompt groups as hidden_states hands them to packed_group: (ids [n, T], tails [n], prefix), one width T."""
+    width = 30
+    groups = []
+    for prefix, tails in ((12, (3, 9, 1, 5)), (17, (13, 2, 6))):
+        ids = torch.randint(0, 500, (len(tails), width), generator=g)
+        ids[:, :prefix] = ids[0, :prefix]
+        groups.append((ids, torch.tensor(tails), prefix))
+    return groups, width
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_packed_groups_run_together_equal_each_group_alone(lora: bool) -> None:
+    # Two packed rows (12 + 18 and 17 + 21 tokens) as one batch of 2 padded to 38, on torch's sdpa with the
+    # dense mask: each group's hidden states and every gradient equal the group's own packed_group call within
+    # float rounding, and the padding changes nothing.
+    model, _ = tiny_random(0)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    model.train()
+    decoder, _ = decoder_and_head(model)
+    g = torch.Generator().manual_seed(0)
+    groups, width = _two_packed_groups(g)
+    weights = [torch.randn(ids.shape[0], width, decoder.config.hidden_size, generator=g) for ids, _, _ in groups]
+    shapes: list[tuple[int, ...]] = []
+    decoder.register_forward_pre_hook(lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                      with_kwargs=True)
+
+    def run(together: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        model.zero_grad()
+        outs = packed_groups(decoder, groups) if together else [packed_group(decoder, *job) for job in groups]
+        sum((out * w).sum() for out, w in zip(outs, weights, strict=True)).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return [out.detach() for out in outs], grads
+
+    together, g_together = run(True)
+    assert shapes == [(2, 38)]
+    alone, g_alone = run(False)
+    assert shapes[1:] == [(1, 30), (1, 38)]
+    for (ids, tails, prefix), a, b in zip(groups, together, alone, strict=True):
+        assert a.shape == b.shape == (ids.shape[0], width, decoder.config.hidden_size)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert not a[torch.arange(width)[None, :] >= prefix + tails[:, None]].any()  # zeros at padding
+    assert g_together.keys() == g_alone.keys() and g_alone
+    for name in g_alone:
+        scale = float(g_alone[name].abs().max())
+        assert float((g_together[name] - g_alone[name]).abs().max()) <= 1e-5 * scale + 1e-7, name
+    assert len(packed_groups(decoder, groups[:1])) == 1 and shapes[-1] == (1, 30)  # one group: packed_group
 
 
 @pytest.mark.parametrize("pack", [True, False])
