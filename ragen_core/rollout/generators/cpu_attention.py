@@ -1439,16 +1439,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_entropy_fwd(
 }
 
 // The gradient of sum(g_lp * log-prob + g_h * entropy) with respect to the logits, in their dtype: with x = scale * l,
-// d/dx_j = -p_j (g_lp + g_h (x_j - E)) + g_lp 1[j = label], p_j = exp(x_j - lse); times scale.
+// d/dx_j = -p_j (g_lp + g_h (x_j - E)) + g_lp 1[j = label], p_j = exp(x_j - lse); times scale. in_place: written
+// over the logits (each row is read into a float32 copy first) and returned, no vocabulary-sized tensor made.
 at::Tensor logprobs_entropy_bwd(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& lse,
                                 const at::Tensor& expected, const at::Tensor& g_lp, const at::Tensor& g_h,
-                                double scale) {
+                                double scale, bool in_place) {
   loss::loss_check(logits, labels);
   const int64_t N = logits.size(0), V = logits.size(1), rs = logits.stride(0);
   for (const at::Tensor* t : {&lse, &expected, &g_lp, &g_h})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
                 "logprobs_entropy_bwd: lse, expected and the gradients contiguous float32 [N]");
-  at::Tensor grad = at::empty({N, V}, logits.options());
+  at::Tensor grad = in_place ? logits : at::empty({N, V}, logits.options());
+  const int64_t gs = in_place ? rs : V;  // the gradient's row stride
   const float *lsep = lse.data_ptr<float>(), *ep = expected.data_ptr<float>(), *glp = g_lp.data_ptr<float>(),
               *gh = g_h.data_ptr<float>();
   const int64_t* lab = labels.data_ptr<int64_t>();
@@ -1470,7 +1472,7 @@ at::Tensor logprobs_entropy_bwd(const at::Tensor& logits, const at::Tensor& labe
         }
         for (; j < V; ++j) x[j] = std::exp(x[j] - l) * (c0 + c1 * x[j]);
         x[lab[i]] += a * sc;
-        scalar_t* out = dst + i * V;
+        scalar_t* out = dst + i * gs;
         if constexpr (std::is_same_v<scalar_t, float>) {
           std::memcpy(out, x.data(), V * sizeof(float));
         } else {
@@ -1510,7 +1512,7 @@ TORCH_LIBRARY(ragen_cpu_attention, m) {
         "float scale) -> (Tensor, Tensor, Tensor)");
   m.def("logprobs_entropy_fwd(Tensor logits, Tensor labels, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("logprobs_entropy_bwd(Tensor logits, Tensor labels, Tensor lse, Tensor expected, Tensor g_lp, Tensor g_h, "
-        "float scale) -> Tensor");
+        "float scale, bool in_place=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) {
   m.impl("decode_attention", &decode_attention);
@@ -1764,9 +1766,11 @@ def segment_amx(enable: bool | None = None) -> bool:
 def loss_ops() -> Any | None:
     """The output layer's fused loss terms where the kernel is built (else None): ``logprobs_entropy_fwd(logits,
     labels, scale) -> (logprob, entropy, lse, expected)`` and ``logprobs_entropy_bwd(logits, labels, lse, expected,
-    g_logprob, g_entropy, scale) -> grad``; logits [N, V] float32 or bf16 (last dimension contiguous), labels [N]
-    int64, the rest [N] float32; the scores are those of softmax(scale * logits), the gradient is the logits' own, in
-    their dtype. ``RAGEN_FUSED_LOSS=0`` turns them off (the trainer then uses losses.logprobs_and_entropy)."""
+    g_logprob, g_entropy, scale, in_place=False) -> grad``; logits [N, V] float32 or bf16 (last dimension
+    contiguous), labels [N] int64, the rest [N] float32; the scores are those of softmax(scale * logits), the gradient
+    is the logits' own, in their dtype, written over the logits and returned with ``in_place`` (the caller then
+    bumps their version: ``torch.autograd.graph.increment_version``). ``RAGEN_FUSED_LOSS=0`` turns them off (the
+    trainer then uses losses.logprobs_and_entropy)."""
     if os.environ.get("RAGEN_FUSED_LOSS", "1") == "0" or _op() is None:
         return None
     return torch.ops.ragen_cpu_attention

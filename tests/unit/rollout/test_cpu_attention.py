@@ -369,7 +369,8 @@ def test_loss_ops_golden():
 def test_loss_ops_match_logprobs_and_entropy(dtype, scale):
     """The fused output-layer loss (trainer/forward.py) against losses.logprobs_and_entropy in float64, at a
     vocabulary of SmolLM2's size plus a few (vector tails), rows 2 apart (a strided input): values within float32
-    summation, the gradient within the rounding of its dtype, bit for bit the same on a second run."""
+    summation, the gradient within the rounding of its dtype, bit for bit the same on a second run and written in
+    place."""
     ops = cpu_attention.loss_ops()
     assert ops is not None
     g = torch.Generator().manual_seed(0)
@@ -387,6 +388,12 @@ def test_loss_ops_match_logprobs_and_entropy(dtype, scale):
     assert float((grad.double() - ref_grad).abs().max()) <= step * float(ref_grad.abs().max())
     again = ops.logprobs_entropy_bwd(logits, labels, lse, expected, g_lp, g_h, scale)
     assert torch.equal(grad, again)
+    # in place: the same gradient, written over the (strided) logits' own rows, the rows between them untouched
+    base = logits._base
+    between = base[1::2].clone()
+    over = ops.logprobs_entropy_bwd(logits, labels, lse, expected, g_lp, g_h, scale, True)
+    assert over.data_ptr() == logits.data_ptr() and over.stride() == logits.stride()
+    assert torch.equal(over, grad) and torch.equal(base[::2], grad) and torch.equal(base[1::2], between)
 
 
 @pytest.mark.usefixtures("needs_compiler")

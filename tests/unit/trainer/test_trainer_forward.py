@@ -86,6 +86,32 @@ def test_chunked_equals_full_logits_values_and_grads(chunk: int, one_piece_bytes
     assert bool(loss_path) == ("fused" in request.node.callspec.id)  # the kernel ran exactly where it was on
 
 
+def test_fused_loss_in_place_gradient_equals_the_fresh_one_and_a_second_use_fails_loudly() -> None:
+    # The trainer's call writes the logits' gradient over its own logits: the same gradient as a fresh tensor,
+    # and where something else saved those logits for its backward, autograd refuses instead of reading the
+    # overwritten values.
+    require(cpu_attention.loss_ops() is not None, "no C++ compiler to build the fused loss kernel")
+    ops = cpu_attention.loss_ops()
+    g = torch.Generator().manual_seed(0)
+    source = torch.randn(5, 300, generator=g)
+    labels = torch.randint(0, 300, (5,), generator=g)
+    w_lp, w_ent = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    grads = []
+    for in_place in (False, True):
+        x = source.clone().requires_grad_(True)
+        logits = x * 1.0  # a fresh tensor, as the output layer's
+        lp, ent = forward._FusedLogprobsEntropy.apply(logits, labels, 0.7, ops, in_place)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    x = source.clone().requires_grad_(True)
+    logits = x * 1.0
+    square = logits.pow(2).sum()  # pow saves the logits too; its backward runs after the loss's
+    lp, _ = forward._FusedLogprobsEntropy.apply(logits, labels, 0.7, ops, True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + square).backward()
+
+
 def test_alignment_position_zero_and_next_token() -> None:
     # logprobs[:, t] must score input_ids[:, t] from position t-1 (ragen_core.types convention).
     model, _ = tiny_random(0)
