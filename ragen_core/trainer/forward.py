@@ -23,6 +23,7 @@ Run the tests with ``python -m pytest tests/unit/trainer -q``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -54,6 +55,7 @@ __all__ = [
     "first_scored",
     "group_batches",
     "hidden_states",
+    "logits_gradient_in_place",
     "pack_pays",
     "packed_group",
     "packed_groups",
@@ -525,8 +527,8 @@ def _chunk_logprobs_entropy(
     flat = head(hidden.reshape(b * c, width))  # [B·C, V], the only logits tensor alive
     ops = cpu_attention.loss_ops() if flat.device.type == "cpu" and flat.stride(-1) == 1 else None
     if ops is not None and flat.dtype in (torch.float32, torch.bfloat16):
-        # flat is this call's own: the backward may write the gradient over it
-        lp, ent = _FusedLogprobsEntropy.apply(flat, labels.reshape(-1), inv_temperature, ops, True)
+        # flat is this call's own: inside logits_gradient_in_place the backward writes the gradient over it
+        lp, ent = _FusedLogprobsEntropy.apply(flat, labels.reshape(-1), inv_temperature, ops, _IN_PLACE.get())
         lp, ent = lp.view(b, c), ent.view(b, c)
         return lp, ent if entropy_grad else ent.detach()
     logits = flat.view(b, c, -1)  # [B, C, V]
@@ -539,15 +541,32 @@ def _chunk_logprobs_entropy(
     return logprobs, losses.entropy_from_logits(logits.detach())  # [B, C], a diagnostic only
 
 
+_IN_PLACE: contextvars.ContextVar[bool] = contextvars.ContextVar("ragen_logits_gradient_in_place", default=False)
+
+
+@contextlib.contextmanager
+def logits_gradient_in_place() -> Iterator[None]:
+    """Inside the block, the output layer's fused loss (:class:`_FusedLogprobsEntropy`) writes the logits' gradient
+    over the logits instead of into a fresh vocabulary-sized tensor. Only for graphs run backward once: a second
+    backward through a retained graph (the gradient-bucket analysis' one per loss term) would need the logits again,
+    and autograd refuses it (the logits' version is bumped)."""
+    token = _IN_PLACE.set(True)
+    try:
+        yield
+    finally:
+        _IN_PLACE.reset(token)
+
+
 class _FusedLogprobsEntropy(torch.autograd.Function):
     """(log-prob, entropy) of softmax(scale · logits) at labels on the CPU kernel (``cpu_attention.loss_ops``):
     losses.logprobs_and_entropy's values and gradient, computed a row at a time in a float32 copy that stays in
     the cache, where torch's ops make vocabulary-sized float32 tensors (the softmax, the casts), whose first touch
     costs more than the arithmetic. logits [N, V], labels [N] -> ([N], [N]) float32. Saves the logits (in their
-    dtype) and two floats a row; the backward recomputes the softmax. ``in_place``: the caller's logits are needed
-    by nothing else, and the backward writes their gradient over them (their version bumped, so a use that saved
-    them too fails loudly): a fresh vocabulary-sized tensor's first touch cost more than the backward's arithmetic
-    (on 2 AMX cores, 900 Bandit positions: 124 ms a call in the update against 21 ms for the kernel alone)."""
+    dtype) and two floats a row; the backward recomputes the softmax. ``in_place`` (:func:`logits_gradient_in_place`):
+    the caller's logits are needed by nothing else and the graph runs backward once, and the backward writes their
+    gradient over them (their version bumped, so a use that saved them too fails loudly): a fresh vocabulary-sized
+    tensor's first touch cost more than the backward's arithmetic (on 2 AMX cores, 900 Bandit positions: 124 ms a
+    call in the update against 21 ms for the kernel alone)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, scale: float, ops: Any,

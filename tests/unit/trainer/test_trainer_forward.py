@@ -5,6 +5,8 @@ Run with ``python -m pytest tests/unit/trainer/test_trainer_forward.py -q``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -110,6 +112,30 @@ def test_fused_loss_in_place_gradient_equals_the_fresh_one_and_a_second_use_fail
     lp, _ = forward._FusedLogprobsEntropy.apply(logits, labels, 0.7, ops, True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (lp.sum() + square).backward()
+
+
+def test_the_logits_gradient_goes_in_place_only_inside_its_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The update's micro-batches run backward once (forward.logits_gradient_in_place); everywhere else (the
+    # gradient-bucket analysis runs one backward per loss term through a retained graph) a fresh tensor.
+    require(cpu_attention.loss_ops() is not None, "no C++ compiler to build the fused loss kernel")
+    flags: list[bool] = []
+    apply = forward._FusedLogprobsEntropy.apply
+    monkeypatch.setattr(forward._FusedLogprobsEntropy, "apply", lambda *a: flags.append(a[4]) or apply(*a))
+    model, _ = tiny_random(0)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    decoder, head = decoder_and_head(model)
+    for inside in (False, True, False):
+        with forward.logits_gradient_in_place() if inside else contextlib.nullcontext():
+            hidden = hidden_states(decoder, ids, attn)
+            lp, ent = chunked_logprobs(hidden, ids, head)
+            terms = [lp.sum(), ent.sum()]
+            if inside:
+                (terms[0] + terms[1]).backward()
+            else:  # one backward per term through the retained graph, as the gradient-bucket analysis runs them
+                torch.autograd.grad(terms[0], list(model.parameters()), retain_graph=True, allow_unused=True)
+                torch.autograd.grad(terms[1], list(model.parameters()), allow_unused=True)
+    assert flags == [False, True, False]
 
 
 def test_alignment_position_zero_and_next_token() -> None:
