@@ -494,8 +494,8 @@ def packed_groups(decoder: nn.Module, groups: Sequence[tuple[torch.Tensor, torch
     """Several prompt groups' packed rows (:func:`packed_group`, each (ids [n, T], tails [n], prefix)) run as ONE
     decoder call, each row of the batch a group, right-padded to the longest; a padding position attends to its
     row's first key only, and is dropped. The weight matmuls then run on all the groups' positions at once: on 2
-    AMX cores a [2,728 × 576] × [576 × 576] product took 0.64 ms against 0.35 ms at 682 rows, so four Bandit groups
-    at once cost about what two did alone. Meant for the segment attention kernel, which skips the masked pairs
+    AMX cores oneDNN ran two of a layer's bf16 products at about half their rate at 600-800 rows (a group's) and at
+    full rate at 1,400-1,550 (docs/benchmarks.md). Meant for the segment attention kernel, which skips the masked pairs
     (:func:`ragen_core.trainer.attention.runs_segment_kernel`); elsewhere the padded rows' attention runs on the
     dense mask. Returns each group's [n, T, H], as :func:`packed_group` does."""
     if len(groups) == 1:
