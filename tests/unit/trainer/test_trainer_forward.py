@@ -263,6 +263,17 @@ def test_pack_pays_golden() -> None:
     assert not pack_pays([400, 500, 450, 500, 420, 480, 460, 440], 300)
 
 
+def _training_model(lora: bool) -> torch.nn.Module:
+    """tiny_random(0) in training mode; with ``lora``, rank-2 adapters on every linear, B not zero (so they count)."""
+    model, _ = tiny_random(0)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    return model.train()
+
+
 @pytest.mark.parametrize("pack,split", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("lora", [False, True])
 def test_shared_prefix_forward_equals_plain_forward_values_and_grads(
@@ -275,16 +286,10 @@ def test_shared_prefix_forward_equals_plain_forward_values_and_grads(
         monkeypatch.setattr(forward, "pack_pays", lambda tails, prefix: False)
     monkeypatch.setattr(forward, "SPLIT_CALL_PAIRS", 0 if split else 10**9)
     shapes: list[tuple[int, ...]] = []
-    model, _ = tiny_random(0)
-    model.get_decoder().register_forward_pre_hook(
-        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
-                                                 init_lora_weights=False))
-    model.train()
+    model = _training_model(lora)
     decoder, _ = decoder_and_head(model)
+    decoder.register_forward_pre_hook(
+        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     g = torch.Generator().manual_seed(0)
     ids, attn = _grouped_batch(g)
     weights = torch.randn(*ids.shape, decoder.config.hidden_size, generator=g) * attn[..., None]
@@ -547,13 +552,7 @@ def test_packed_groups_run_together_equal_each_group_alone(lora: bool) -> None:
     # Two packed rows (12 + 18 and 17 + 21 tokens) as one batch of 2 padded to 38, on torch's sdpa with the
     # dense mask: each group's hidden states and every gradient equal the group's own packed_group call within
     # float rounding, and the padding changes nothing.
-    model, _ = tiny_random(0)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
-                                                 init_lora_weights=False))
-    model.train()
+    model = _training_model(lora)
     decoder, _ = decoder_and_head(model)
     g = torch.Generator().manual_seed(0)
     groups, width = _two_packed_groups(g)
