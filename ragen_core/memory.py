@@ -44,8 +44,10 @@ def use_huge_pages() -> None:
     :data:`HUGE_PAGES_ENV` is set already (``0`` keeps them off). torch reads the variable once, at the process's
     first allocation of 2 MiB or more, so this must run before that. On the vanilla StarPO update of the Bandit
     study's batch (fp32, 2 AVX2 cores, 3 updates in each of 2 processes a setting, alternated): 13.3 s an update
-    against 14.4 (1.08×), the vocabulary-sized log-prob and entropy pass 82 + 51 ms against 172 + 102. Where the
-    kernel gives no huge pages, nothing changes."""
+    against 14.4 (1.08×), the vocabulary-sized log-prob and entropy pass 82 + 51 ms against 172 + 102. On a 2-core
+    AMX virtual machine they cost time instead (bf16 update 4.30-4.61 s against 4.05-4.28 s without them:
+    docs/benchmarks.md); ``THP_MEM_ALLOC_ENABLE=0`` keeps them off. Where the kernel gives no huge pages, nothing
+    changes."""
     os.environ.setdefault(HUGE_PAGES_ENV, "1")
 
 
