@@ -546,10 +546,10 @@ _IN_PLACE: contextvars.ContextVar[bool] = contextvars.ContextVar("ragen_logits_g
 
 @contextlib.contextmanager
 def logits_gradient_in_place() -> Iterator[None]:
-    """Inside the block, the output layer's fused loss (:class:`_FusedLogprobsEntropy`) writes the logits' gradient
-    over the logits instead of into a fresh vocabulary-sized tensor. Only for graphs run backward once: a second
-    backward through a retained graph (the gradient-bucket analysis' one per loss term) would need the logits again,
-    and autograd refuses it (the logits' version is bumped)."""
+    """The output layer's fused losses (:class:`_FusedLogprobsEntropy`) made inside the block write the logits'
+    gradient over the logits in their backward, instead of into a fresh vocabulary-sized tensor. Only for graphs
+    run backward once: a second backward through a retained graph (the gradient-bucket analysis' one per loss term)
+    would need the logits again, and autograd refuses it (the logits' version is bumped)."""
     token = _IN_PLACE.set(True)
     try:
         yield

@@ -588,32 +588,32 @@ def _mini_batch_step(
     blocks = micro_blocks(mb.input_ids, mb.attention_mask, tr.micro_batch_size * world_size,
                           None if tr.micro_batch_tokens is None else tr.micro_batch_tokens * world_size,
                           share=can_share(decoder), pack=can_pack(decoder))
-    with logits_gradient_in_place():  # each micro-batch's graph runs backward once
-        for idx in rank_micro_rows(mb.batch_size, tr.micro_batch_size, rank, world_size, blocks):
-            weight, micro_meter = 1.0, meter  # the meter this micro-batch's losses log their stats into
-            if idx.numel() == 0:  # no row left for this rank: a zero-weighted stand-in keeps its backwards paired
-                idx, weight, micro_meter = torch.zeros(1, dtype=torch.long), 0.0, _Meter()  # stats thrown away
-            micro = _on(mb.select(idx), device)
-            w, n_tok = micro.input_ids.shape[1], float(micro.loss_mask.sum())
-            head_targets = None  # value head: one forward and one backward for both losses
-            if mb_critic is not None and models.value_head is not None:
-                mb_values, mb_ret = mb_critic
-                head_targets = (mb_values[idx, :w], mb_ret[idx, :w], norm)
+    for idx in rank_micro_rows(mb.batch_size, tr.micro_batch_size, rank, world_size, blocks):
+        weight, micro_meter = 1.0, meter  # the meter this micro-batch's losses log their stats into
+        if idx.numel() == 0:  # no row left for this rank: a zero-weighted stand-in keeps its backwards paired
+            idx, weight, micro_meter = torch.zeros(1, dtype=torch.long), 0.0, _Meter()  # stats thrown away
+        micro = _on(mb.select(idx), device)
+        w, n_tok = micro.input_ids.shape[1], float(micro.loss_mask.sum())
+        head_targets = None  # value head: one forward and one backward for both losses
+        if mb_critic is not None and models.value_head is not None:
+            mb_values, mb_ret = mb_critic
+            head_targets = (mb_values[idx, :w], mb_ret[idx, :w], norm)
+        with logits_gradient_in_place():  # this graph runs backward once, just below
             loss, pg_loss, head = state.actor_engine.forward(
-                _actor_loss, models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w], cfg, norm,
-                micro_meter, head_targets, None if mb_tis is None else mb_tis[idx, :w], gap if weight else None)
-            totals["actor/pg_loss"] += float(pg_loss) * weight
-            if head is not None:
-                totals["critic/value_loss"] += float(head[0]) * weight
-                micro_meter.add("critic/", head[1], n_tok)
-            state.actor_engine.backward(loss * weight)  # × 1.0 is exact: W = 1 is unchanged
-            if mb_critic is not None and models.critic is not None and state.critic_engine is not None:
-                mb_values, mb_ret = mb_critic
-                v_loss, v_stats = state.critic_engine.forward(_critic_loss, models.critic, micro, mb_values[idx, :w],
-                                                              mb_ret[idx, :w], algo, norm)
-                state.critic_engine.backward(v_loss * weight)
-                totals["critic/value_loss"] += float(v_loss.detach()) * weight
-                micro_meter.add("critic/", v_stats, n_tok)
+                _actor_loss, models, micro, mb_adv[idx, :w], None if mb_ref is None else mb_ref[idx, :w], cfg,
+                norm, micro_meter, head_targets, None if mb_tis is None else mb_tis[idx, :w], gap if weight else None)
+        totals["actor/pg_loss"] += float(pg_loss) * weight
+        if head is not None:
+            totals["critic/value_loss"] += float(head[0]) * weight
+            micro_meter.add("critic/", head[1], n_tok)
+        state.actor_engine.backward(loss * weight)  # × 1.0 is exact: W = 1 is unchanged
+        if mb_critic is not None and models.critic is not None and state.critic_engine is not None:
+            mb_values, mb_ret = mb_critic
+            v_loss, v_stats = state.critic_engine.forward(_critic_loss, models.critic, micro, mb_values[idx, :w],
+                                                          mb_ret[idx, :w], algo, norm)
+            state.critic_engine.backward(v_loss * weight)
+            totals["critic/value_loss"] += float(v_loss.detach()) * weight
+            micro_meter.add("critic/", v_stats, n_tok)
 
     meter.steps["actor/grad_norm"].append(state.actor_engine.step())
     if mb_critic is not None and state.critic_engine is not None:
