@@ -21,7 +21,9 @@ stays in L1 and scored as above; values are widened in registers as they are wei
 rows. A chunk of 64 columns that are all masked (a long left padding, a hole) is neither scored nor read. Timed at
 26 rows over 900 columns, 30 layers, keys and values coming from memory: 36-40 ms a step against 49-57 ms for an
 fp32 cache (with one layer's cache in L2, 3.6-4.0 against 3.0-3.1 ms: the widening's own cost); widening the values
-into a buffer too took 54-55 ms.
+into a buffer too took 54-55 ms. An fp32 cache is read ahead: a row's values are prefetched while its keys
+are scored, and the next row's keys while its values are weighted (at 64 rows over 300 columns, 42 against 50 ms a
+step); a bf16 cache is not, as its widening costs what the reading does (prefetching it measured slower).
 
 Cascade attention (decode_step.SharedPrefix: the N responses of a prompt keep its keys and values once per
 group) runs in the same call: given the shared columns and each row's group, a row's scores cover its group's
@@ -322,6 +324,18 @@ inline void widen(const c10::BFloat16* src, int64_t rs, int64_t n, float* dst) {
   }
 }
 
+// n cache rows of D elements (row stride rs, in elements) fetched towards L2 ahead of their use. An fp32 cache's
+// row fetches its values while its keys are scored and the next (row, head)'s keys while its values are weighted,
+// so that memory is read while the scores, the softmax and the sums compute (at 64 rows over 300 columns, 30
+// layers: 42 against 50 ms a step, docs/benchmarks.md). A bf16 cache's rows are widened as they are read, which
+// costs what the reading does: prefetching them measured 2-7% slower, so they are not.
+template <int D, typename T>
+inline void prefetch_rows(const T* x, int64_t rs, int64_t n) {
+  for (int64_t r = 0; r < n; ++r, x += rs)
+    for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(T)); i += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(x) + i, 0, 2);
+}
+
 // A row's own columns go COLS columns at a time: a chunk whose columns are all masked (left padding, holes) is
 // neither scored nor read; a bf16 cache's chunk is widened to fp32 in a buffer of COLS x D floats (in L1) first.
 constexpr int64_t COLS = 64;
@@ -340,13 +354,14 @@ inline std::pair<const float*, int64_t> chunk_rows(const T* x, int64_t xw, int64
 // own_scores over a row's W own columns, chunk by chunk; all-masked chunks get -inf unread.
 template <int G, int D, typename T>
 void own_scores_chunked(const float* q, const T* k, int64_t kw, const float* mask, int64_t W, int64_t ss,
-                        float scale, float* s, float* buf) {
+                        float scale, float* s, float* buf, const T* ahead, int64_t aw) {
   for (int64_t w0 = 0; w0 < W; w0 += COLS) {
     const int64_t n = std::min(COLS, W - w0);
     if (all_masked(mask + w0, n)) {
       for (int g = 0; g < G; ++g) std::fill(s + g * ss + w0, s + g * ss + w0 + n, NEG_INF);
       continue;
     }
+    if constexpr (std::is_same_v<T, float>) prefetch_rows<D>(ahead + w0 * aw, aw, n);  // the values
     const auto [kc, kcw] = chunk_rows<D>(k, kw, w0, n, buf);
     own_scores<G, D>(q, kc, kcw, mask + w0, n, ss, scale, s + w0);
   }
@@ -377,9 +392,13 @@ void weighted_values_bf16(const float* p, int64_t ss, const c10::BFloat16* v, in
 // weighted_values over a row's W own columns, chunk by chunk; all-masked chunks (probability 0) are skipped.
 template <int G, int D, typename T>
 void own_values_chunked(const float* p, int64_t ss, const T* v, int64_t vw, const float* mask, int64_t W,
-                        float (&acc)[G][D]) {
+                        float (&acc)[G][D], const T* ahead, int64_t aw, const float* ahead_mask, int64_t aW) {
   for (int64_t w0 = 0; w0 < W; w0 += COLS) {
     const int64_t n = std::min(COLS, W - w0);
+    if constexpr (std::is_same_v<T, float>) {  // the next (row, head)'s keys, where it reads them
+      if (ahead != nullptr && w0 < aW && !all_masked(ahead_mask + w0, std::min(n, aW - w0)))
+        prefetch_rows<D>(ahead + w0 * aw, aw, std::min(n, aW - w0));
+    }
     if (all_masked(mask + w0, n)) continue;
     if constexpr (std::is_same_v<T, float>) {
       weighted_values<G, D>(p + w0, ss, v + w0 * vw, vw, n, acc);
@@ -432,7 +451,8 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
       if (P > 0)
         scores_t<G, D>(qr, shared.k + u * shared.kb + h * shared.kh, shared.kd, shared.mask + u * shared.mb, P, N,
                        sc, s);
-      own_scores_chunked<G, D>(qr, kp + b * kb + h * kh, kw, mp + b * mb, W, N, sc, s + P, rows.data());
+      own_scores_chunked<G, D>(qr, kp + b * kb + h * kh, kw, mp + b * mb, W, N, sc, s + P, rows.data(),
+                               vp + b * vb + h * vh, vw);
       float inv[G];
       for (int g = 0; g < G; ++g) {
         float* sg = s + g * N;
@@ -452,7 +472,9 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < D; ++i) acc[g][i] = 0.f;
       if (P > 0) weighted_values<G, D>(s, N, shared.v + u * shared.vb + h * shared.vh, shared.vw, P, acc);
-      own_values_chunked<G, D>(s + P, N, vp + b * vb + h * vh, vw, mp + b * mb, W, acc);
+      const int64_t nb = (bh + 1) / H, nh = (bh + 1) % H;  // the next (row, head) this thread runs, if any
+      own_values_chunked<G, D>(s + P, N, vp + b * vb + h * vh, vw, mp + b * mb, W, acc,
+                               bh + 1 < end ? kp + nb * kb + nh * kh : nullptr, kw, mp + nb * mb, W);
       float* o = op + bh * G * D;
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < D; ++i) o[g * D + i] = acc[g][i] * inv[g];
