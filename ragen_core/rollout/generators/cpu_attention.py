@@ -720,62 +720,90 @@ at::Tensor rms_norm_to(const at::Tensor& x, const at::Tensor& w, double eps, boo
 // float32. The query and key heads are rotated in float32 (x cos + rotate_half(x) sin); the rotated keys and the
 // values go to column `slot` of k_cache and v_cache [B, nkv, capacity, d] (float32 or bf16, last dimension
 // contiguous, rounded to their dtype). Returns the rotated queries [B, nkv, nh / nkv, d] float32 (contiguous).
-template <typename T, typename C>
+// rotary_prefill does the same for T tokens a row (rotary_rows below covers both).
+//
+// The N = B·T token rows of qkv, row b's token t at b·T + t, with cos and sin [N, d]: the query heads rotated into
+// q [B, nh, T, d] (Q: float or bf16), the key heads rotated and the value heads copied into columns slot + t of row
+// b of the caches. Rows are split between the threads where there are many (a prefill's).
+template <typename T, typename C, typename Q>
 void rotary_rows(const at::Tensor& qkv, const float* cp, const float* sp, at::Tensor& kc, at::Tensor& vc,
-                 int64_t slot, int64_t nh, int64_t nkv, float* qp) {
-  const int64_t B = qkv.size(0), d = kc.size(3), half = d / 2, rs = qkv.stride(0);
+                 int64_t slot, int64_t tokens, int64_t nh, int64_t nkv, Q* qp) {
+  const int64_t N = qkv.size(0), d = kc.size(3), half = d / 2, rs = qkv.stride(0);
   const T* src = static_cast<const T*>(qkv.const_data_ptr());
   C* kp = static_cast<C*>(kc.data_ptr());
   C* vp = static_cast<C*>(vc.data_ptr());
-  for (int64_t b = 0; b < B; ++b) {
-    const T* row = src + b * rs;
-    const float* c = cp + b * d;
-    const float* s = sp + b * d;
-    for (int64_t h = 0; h < nh + nkv; ++h) {
-      const T* x = row + h * d;
-      float* dst = h < nh ? qp + (b * nh + h) * d : nullptr;
-      C* kd = h < nh ? nullptr : kp + b * kc.stride(0) + (h - nh) * kc.stride(1) + slot * kc.stride(2);
-      for (int64_t i = 0; i < d; ++i) {
-        const float xi = static_cast<float>(x[i]);
-        const float other = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
-        const float y = xi * c[i] + other * s[i];
-        if (dst) dst[i] = y; else kd[i] = static_cast<C>(y);
+  at::parallel_for(0, N, rows_per_task(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / tokens, t = r % tokens, col = slot + t;
+      const T* row = src + r * rs;
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      for (int64_t h = 0; h < nh + nkv; ++h) {
+        const T* x = row + h * d;
+        Q* dst = h < nh ? qp + ((b * nh + h) * tokens + t) * d : nullptr;
+        C* kd = h < nh ? nullptr : kp + b * kc.stride(0) + (h - nh) * kc.stride(1) + col * kc.stride(2);
+        for (int64_t i = 0; i < d; ++i) {
+          const float xi = static_cast<float>(x[i]);
+          const float other = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+          const float y = xi * c[i] + other * s[i];
+          if (dst) dst[i] = static_cast<Q>(y); else kd[i] = static_cast<C>(y);
+        }
+      }
+      for (int64_t h = 0; h < nkv; ++h) {
+        const T* x = row + (nh + nkv + h) * d;
+        C* vd = vp + b * vc.stride(0) + h * vc.stride(1) + col * vc.stride(2);
+        for (int64_t i = 0; i < d; ++i) vd[i] = static_cast<C>(static_cast<float>(x[i]));
       }
     }
-    for (int64_t h = 0; h < nkv; ++h) {
-      const T* x = row + (nh + nkv + h) * d;
-      C* vd = vp + b * vc.stride(0) + h * vc.stride(1) + slot * vc.stride(2);
-      for (int64_t i = 0; i < d; ++i) vd[i] = static_cast<C>(static_cast<float>(x[i]));
-    }
-  }
+  });
+}
+
+// The checks and the dispatch on dtypes of rotary_kv and rotary_prefill: `tokens` a row, queries returned as
+// [B, nh, T, d] in bf16 or float32.
+at::Tensor rotary_tokens(const char* op, const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& k_cache, at::Tensor& v_cache, int64_t slot, int64_t tokens, int64_t nh,
+                         int64_t nkv, bool q_bf16) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+              k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.sizes() == v_cache.sizes(),
+              op, ": qkv [B·T, (nh + 2 nkv) d] (T tokens a row, 1 for rotary_kv), caches [B, nkv, capacity, d] with a "
+              "contiguous last dimension");
+  const int64_t N = qkv.size(0), d = k_cache.size(3), B = k_cache.size(0);
+  TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d % 2 == 0 && qkv.size(1) == (nh + 2 * nkv) * d &&
+              tokens > 0 && N == B * tokens && k_cache.size(1) == nkv && 0 <= slot &&
+              slot + tokens <= k_cache.size(2),
+              op, ": shapes do not match (qkv ", qkv.sizes(), ", cache ", k_cache.sizes(), ", slot ", slot,
+              ", tokens ", tokens, ")");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.numel() == N * d && sin.numel() == N * d,
+              op, tokens == 1 ? ": cos, sin [B, d] float32" : ": cos, sin [B·T, d] float32");
+  const auto in = qkv.scalar_type(), cache = k_cache.scalar_type();
+  TORCH_CHECK((in == at::kFloat || in == at::kBFloat16) && (cache == at::kFloat || cache == at::kBFloat16) &&
+              v_cache.scalar_type() == cache, op, ": float32 or bfloat16 tensors");
+  at::Tensor q = at::empty({B, nh, tokens, d}, qkv.options().dtype(q_bf16 ? at::kBFloat16 : at::kFloat));
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  using BF = c10::BFloat16;
+  const auto run = [&](auto* qp) {
+    using Q = std::remove_pointer_t<decltype(qp)>;
+    const bool in32 = in == at::kFloat, cache32 = cache == at::kFloat;
+    if (in32 && cache32) rotary_rows<float, float, Q>(qkv, cp, sp, k_cache, v_cache, slot, tokens, nh, nkv, qp);
+    else if (in32) rotary_rows<float, BF, Q>(qkv, cp, sp, k_cache, v_cache, slot, tokens, nh, nkv, qp);
+    else if (cache32) rotary_rows<BF, float, Q>(qkv, cp, sp, k_cache, v_cache, slot, tokens, nh, nkv, qp);
+    else rotary_rows<BF, BF, Q>(qkv, cp, sp, k_cache, v_cache, slot, tokens, nh, nkv, qp);
+  };
+  if (q_bf16) run(q.data_ptr<BF>()); else run(q.data_ptr<float>());
+  return q;
 }
 
 at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                      at::Tensor v_cache, int64_t slot, int64_t nh, int64_t nkv) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.dim() == 4 && v_cache.dim() == 4 &&
-              k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.sizes() == v_cache.sizes(),
-              "rotary_kv: qkv [B, (nh + 2 nkv) d], caches [B, nkv, capacity, d] with a contiguous last dimension");
-  const int64_t B = qkv.size(0), d = k_cache.size(3);
-  TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d % 2 == 0 && qkv.size(1) == (nh + 2 * nkv) * d &&
-              k_cache.size(0) == B && k_cache.size(1) == nkv && 0 <= slot && slot < k_cache.size(2),
-              "rotary_kv: shapes do not match (qkv ", qkv.sizes(), ", cache ", k_cache.sizes(), ", slot ", slot, ")");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.numel() == B * d && sin.numel() == B * d,
-              "rotary_kv: cos, sin [B, d] float32");
-  const auto in = qkv.scalar_type(), cache = k_cache.scalar_type();
-  TORCH_CHECK((in == at::kFloat || in == at::kBFloat16) && (cache == at::kFloat || cache == at::kBFloat16) &&
-              v_cache.scalar_type() == cache, "rotary_kv: float32 or bfloat16 tensors");
-  at::Tensor q = at::empty({B, nkv, nh / nkv, d}, qkv.options().dtype(at::kFloat));
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  using BF = c10::BFloat16;
-  const bool in32 = in == at::kFloat, cache32 = cache == at::kFloat;
-  if (in32 && cache32) rotary_rows<float, float>(qkv, cp, sp, k_cache, v_cache, slot, nh, nkv, qp);
-  else if (in32) rotary_rows<float, BF>(qkv, cp, sp, k_cache, v_cache, slot, nh, nkv, qp);
-  else if (cache32) rotary_rows<BF, float>(qkv, cp, sp, k_cache, v_cache, slot, nh, nkv, qp);
-  else rotary_rows<BF, BF>(qkv, cp, sp, k_cache, v_cache, slot, nh, nkv, qp);
-  return q;
+  const at::Tensor q = rotary_tokens("rotary_kv", qkv, cos, sin, k_cache, v_cache, slot, 1, nh, nkv, false);
+  return q.view({q.size(0), nkv, nh / nkv, q.size(3)});  // [B, nh, 1, d] as each key head's query rows
+}
+
+at::Tensor rotary_prefill(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                          at::Tensor v_cache, int64_t slot, int64_t tokens, int64_t nh, int64_t nkv, bool q_bf16) {
+  return rotary_tokens("rotary_prefill", qkv, cos, sin, k_cache, v_cache, slot, tokens, nh, nkv, q_bf16);
 }
 
 // silu(gate) * up for gate_up [M, 2I] (gate then up, float32 or bf16, last dimension contiguous) -> [M, I] in its
@@ -1525,6 +1553,8 @@ TORCH_LIBRARY(ragen_cpu_attention, m) {
   m.def("rms_norm_to(Tensor x, Tensor w, float eps, bool bf16) -> Tensor");
   m.def("rotary_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, int nh, "
         "int nkv) -> Tensor");
+  m.def("rotary_prefill(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int slot, "
+        "int tokens, int nh, int nkv, bool q_bf16) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("segment_attention_available() -> bool", &segment_attention_available);
   m.def("segment_attention_amx(bool enable) -> bool", &segment_attention_amx);
@@ -1541,6 +1571,7 @@ TORCH_LIBRARY_IMPL(ragen_cpu_attention, CPU, m) {
   m.impl("panel_linear", &panel_linear);
   m.impl("rms_norm_to", &rms_norm_to);
   m.impl("rotary_kv", &rotary_kv);
+  m.impl("rotary_prefill", &rotary_prefill);
   m.impl("silu_mul", &silu_mul);
   m.impl("segment_attention_fwd", &segment_attention_fwd);
   m.impl("segment_attention_bwd", &segment_attention_bwd);
@@ -1802,7 +1833,10 @@ def step_ops() -> Any | None:
     """The decode step's fused small ops, where the kernel is built (else None): ``rms_norm_to(x, w, eps, bf16)``
     (LlamaRMSNorm of float32 rows, stored in bfloat16 or float32), ``rotary_kv(qkv, cos, sin, k_cache, v_cache,
     slot, nh, nkv)`` (the query and key heads of a step's fused projection rotated, the keys and values written into
-    the caches' column ``slot``, the queries returned as [B, nkv, nh / nkv, d] float32) and ``silu_mul(gate_up)``
+    the caches' column ``slot``, the queries returned as [B, nkv, nh / nkv, d] float32), ``rotary_prefill(qkv, cos,
+    sin, k_cache, v_cache, slot, tokens, nh, nkv, q_bf16)`` (the same for a prefill's ``tokens`` a row, row b's token
+    t in qkv row b·T + t and cache column slot + t, the queries returned as [B, nh, T, d] in bf16 or float32) and
+    ``silu_mul(gate_up)``
     (the MLP's ``silu(gate) * up``, rounded as the separate ops round). Each replaces several torch ops on a step's
     few rows: decode_step.py."""
     return torch.ops.ragen_cpu_attention if _op() is not None else None

@@ -33,8 +33,9 @@ running the same arithmetic on the same weights directly, with the matmuls on pa
 - a step's rows are few, so its small ops cost their calls more than their arithmetic: on a CPU build of
   cpu_attention.py's kernel, each norm and its cast to the matmuls' dtype run as one op, the rotary embedding of
   the query and key heads with the keys' and values' cache writes as one, and the MLP's SiLU and product as one
-  (``cpu_attention.step_ops``; :meth:`LlamaDecodeStep._fused_ops` says where they apply); a prefill runs its norms
-  and SiLU the same way (one pass over its rows where torch makes two or three);
+  (``cpu_attention.step_ops``; :meth:`LlamaDecodeStep._fused_ops` says where they apply); a prefill runs its norms,
+  its rotary embedding with the cache writes, and its SiLU the same way (one pass over its rows where torch makes
+  two or more), its queries coming out in the dtype its attention reads;
 - keys and values are appended in place into the preallocated cache of ``kv.growing_cache`` (the cache the
   prefill filled, with room for the replies), so cross-turn reuse and dropping finished rows work unchanged;
 - attention stacks the query heads that share a key/value head as its query rows (no grouped-query expansion
@@ -410,8 +411,9 @@ class LlamaDecodeStep:
         append also need growing caches (``kv.grow``). Per layer of a step they replace the norms' casts to the
         matmuls' dtype, the query and key heads' cast back to fp32, rotary's seven ops, the cache writes and the
         MLP's split, SiLU and product: at 17 rows a step over a 600-token cache, SmolLM2 with bf16 matmuls, a step
-        took 36.2-36.3 ms against 41.3-44.3 ms (docs/benchmarks.md). A prefill fuses its norms with their casts and
-        its SiLU with the product."""
+        took 36.2-36.3 ms against 41.3-44.3 ms (docs/benchmarks.md). A prefill fuses its norms with their casts, its
+        rotary embedding with the cache writes (on growing caches; ``rotary_prefill``) and its SiLU with the
+        product."""
         if (x.device.type != "cpu" or x.dtype != torch.float32 or not self.packed or self.head_dim % 2
                 or self.matmul_dtype not in (torch.float32, torch.bfloat16)):
             return None
@@ -451,20 +453,33 @@ class LlamaDecodeStep:
                                                                                                float("-inf"))
             attn_mask = additive[:, None, None].expand(b, 1, g, t, width).reshape(b, 1, g * t, width)
         k_end = (nh + nkv) * d
+        layers = cast(list[Any], cache.layers)
         ops = self._fused_ops(x)
         low = self.matmul_dtype == torch.bfloat16
-        for layer, kv in zip(self._layers, cast(list[Any], cache.layers), strict=True):
-            if ops is not None:  # the norm's output in the matmuls' dtype; rotary below in fp32, as without
-                qkv = self._linear(ops.rms_norm_to(x.view(b * t, -1), layer.norm1, self.eps, low), layer.qkv,
-                                   layer.qkv_bias, keep=True).float().view(b, t, -1)
+        # the rotary embedding and the cache append as one op, as a step runs them, where the cache grows in place
+        rotary = ops if ops is not None and all(hasattr(kv, "grow") for kv in layers) else None
+        rows_cos, rows_sin = cos.reshape(b * t, d), sin.reshape(b * t, d)  # [B·T, d] each
+        for layer, kv in zip(self._layers, layers, strict=True):
+            if rotary is not None:
+                qkv = self._linear(rotary.rms_norm_to(x.view(b * t, -1), layer.norm1, self.eps, low), layer.qkv,
+                                   layer.qkv_bias, keep=True)  # [B·T, (nh + 2 nkv) d] in the matmuls' dtype
+                k_buf, v_buf, slot = kv.grow(t)
+                # [B, nh, T, d], in the cache's dtype, which attention below reads them in
+                q = rotary.rotary_prefill(qkv, rows_cos, rows_sin, k_buf, v_buf, slot, t, nh, nkv,
+                                          k_buf.dtype == torch.bfloat16)
+                keys, values = kv.keys, kv.values  # [B, nkv, W, d]
             else:
-                h = self._rms(x, layer.norm1)
-                qkv = self._linear(h.view(b * t, -1), layer.qkv, layer.qkv_bias).view(b, t, -1)
-            qk = qkv[..., :k_end].view(b, t, nh + nkv, d).transpose(1, 2)  # [B, nh + nkv, T, d]
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[..., k_end:].view(b, t, nkv, d).transpose(1, 2)  # [B, nkv, T, d]
-            keys, values = kv.update(k, v)  # [B, nkv, W, d]
+                if ops is not None:  # the norm's output in the matmuls' dtype; rotary below in fp32, as without
+                    qkv = self._linear(ops.rms_norm_to(x.view(b * t, -1), layer.norm1, self.eps, low), layer.qkv,
+                                       layer.qkv_bias, keep=True).float().view(b, t, -1)
+                else:
+                    h = self._rms(x, layer.norm1)
+                    qkv = self._linear(h.view(b * t, -1), layer.qkv, layer.qkv_bias).view(b, t, -1)
+                qk = qkv[..., :k_end].view(b, t, nh + nkv, d).transpose(1, 2)  # [B, nh + nkv, T, d]
+                qk = qk * cos + _rotate_half(qk) * sin
+                q, k = qk[:, :nh], qk[:, nh:]
+                v = qkv[..., k_end:].view(b, t, nkv, d).transpose(1, 2)  # [B, nkv, T, d]
+                keys, values = kv.update(k, v)  # [B, nkv, W, d]
             if seg is not None:  # [B, T, nh, d] bf16
                 a = seg.segment_attention_fwd(q.to(torch.bfloat16), keys, values, bounds, self.scale, real)[0]
                 a = a.reshape(b * t, nh * d)

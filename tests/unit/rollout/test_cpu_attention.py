@@ -303,6 +303,29 @@ def test_step_ops_match_the_torch_ops_they_replace(rows):
                                        rtol=0, atol=0)
             others = torch.cat([k_cache[:, :, :3], k_cache[:, :, 4:], v_cache[:, :, :3], v_cache[:, :, 4:]], dim=2)
             assert not others.any()  # only column 3 is written
+    # a prefill's T tokens a row: row b's token t is qkv row b·T + t and goes to cache column slot + t
+    t = 7
+    for dtype in (torch.float32, torch.bfloat16):
+        for cache_dtype in (torch.float32, torch.bfloat16):
+            wide = torch.randn(rows * t, (nh + 2 * nkv) * d + 8).to(dtype)
+            qkv = wide[:, 8:]
+            cos, sin = torch.randn(rows * t, d), torch.randn(rows * t, d)
+            k_cache = torch.zeros(rows, nkv, t + 4, d, dtype=cache_dtype)
+            v_cache = torch.zeros(rows, nkv, t + 4, d, dtype=cache_dtype)
+            q = ops.rotary_prefill(qkv, cos, sin, k_cache, v_cache, 2, t, nh, nkv, cache_dtype == torch.bfloat16)
+            qk = qkv[:, : (nh + nkv) * d].float().view(rows, t, nh + nkv, d).transpose(1, 2)  # [B, nh + nkv, T, d]
+            c, s = cos.view(rows, 1, t, d), sin.view(rows, 1, t, d)
+            rotated = qk * c + _rotate_half(qk) * s
+            assert q.dtype == cache_dtype and q.shape == (rows, nh, t, d) and q.is_contiguous()
+            # float32 rounding apart (fused multiply-adds), which can move a bf16 rounding by one step
+            tol = {"rtol": 1e-6, "atol": 1e-6} if cache_dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-6}
+            torch.testing.assert_close(q, rotated[:, :nh].to(cache_dtype), **tol)
+            torch.testing.assert_close(k_cache[:, :, 2 : 2 + t], rotated[:, nh:].to(cache_dtype), **tol)
+            values = qkv[:, (nh + nkv) * d :].view(rows, t, nkv, d).transpose(1, 2).to(cache_dtype)
+            torch.testing.assert_close(v_cache[:, :, 2 : 2 + t], values, rtol=0, atol=0)
+            others = torch.cat([k_cache[:, :, :2], k_cache[:, :, 2 + t :], v_cache[:, :, :2],
+                                v_cache[:, :, 2 + t :]], dim=2)
+            assert not others.any()  # only columns 2 .. 2 + T - 1 are written
 
 
 @pytest.mark.usefixtures("needs_compiler")
@@ -328,6 +351,13 @@ def test_step_ops_refuse_bad_inputs_with_a_clear_error():
         ops.rotary_kv(torch.randn(2, 3 * 8), cos[:1], sin, k_cache, v_cache, 0, 1, 1)
     with pytest.raises(RuntimeError, match="rotary_kv: float32 or bfloat16"):
         ops.rotary_kv(torch.randn(2, 3 * 8).half(), cos, sin, k_cache, v_cache, 0, 1, 1)
+    cos2, sin2 = torch.randn(6, 8), torch.randn(6, 8)
+    with pytest.raises(RuntimeError, match="rotary_prefill: shapes do not match"):  # 6 rows are not 2 rows of 2
+        ops.rotary_prefill(torch.randn(6, 3 * 8), cos2, sin2, k_cache, v_cache, 0, 2, 1, 1, False)
+    with pytest.raises(RuntimeError, match="rotary_prefill: shapes do not match"):  # columns 2..4 past the capacity
+        ops.rotary_prefill(torch.randn(6, 3 * 8), cos2, sin2, k_cache, v_cache, 2, 3, 1, 1, False)
+    with pytest.raises(RuntimeError, match="rotary_prefill: cos, sin \\[B·T, d\\] float32"):
+        ops.rotary_prefill(torch.randn(6, 3 * 8), cos2[:5], sin2, k_cache, v_cache, 0, 3, 1, 1, False)
     assert not k_cache.any() and not v_cache.any()
 
 

@@ -446,7 +446,8 @@ def test_a_bf16_step_over_fp32_weights_computes_what_autocast_computes(lora: boo
 def test_the_fused_small_ops_compute_what_the_separate_ops_compute(compute: torch.dtype, matmuls: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Where cpu_attention's step ops are built, a step runs its norms, rotary embedding, cache writes and SiLU
-    through them (each once per layer), and a prefill its norms and SiLU; the logits and every cache column are
+    through them (each once per layer), and a prefill its norms, rotary embedding with its cache writes, and SiLU;
+    the logits and every cache column are
     those of the same steps and prefill with the separate torch ops, within float rounding, over steps that outgrow
     the cache's room (grouped query heads, a padded batch, fp32 and bf16 matmuls)."""
     require(cpu_attention.kernel_available(), "the CPU kernel is not built (no compiler?)")
@@ -486,6 +487,7 @@ def test_the_fused_small_ops_compute_what_the_separate_ops_compute(compute: torc
         results[fused] = (torch.stack(logits), cache_layers(cache))
     layers = model.config.num_hidden_layers
     assert calls.count("rms_norm_to") == 2 * 4 * layers and calls.count("rotary_kv") == 3 * layers
+    assert calls.count("rotary_prefill") == layers
     assert calls.count("silu_mul") == 4 * layers
     tol = {"rtol": 1e-5, "atol": 1e-5} if compute == torch.float32 else {"rtol": 0, "atol": 2e-2}
     torch.testing.assert_close(results[True][0], results[False][0], **tol)
