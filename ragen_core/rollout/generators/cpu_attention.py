@@ -377,7 +377,7 @@ void weighted_values_bf16(const float* p, int64_t ss, const c10::BFloat16* v, in
     for (int i = 0; i < NV; ++i) a[g][i] = VecF::loadu(acc[g] + L * i);
   for (int64_t w = 0; w < W; ++w) {
     const c10::BFloat16* vr = v + w * vw;
-    __builtin_prefetch(vr + COLS_AHEAD * vw, 0, 3);
+    for (int i = 0; i < D; i += 32) __builtin_prefetch(vr + COLS_AHEAD * vw + i, 0, 3);  // all of the row's lines
     VecF x[NV];
     for (int i = 0; i < NV; ++i) at::vec::load_fp32_from_bf16(vr + L * i, x[i]);
     for (int g = 0; g < G; ++g) {
