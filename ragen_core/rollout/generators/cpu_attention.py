@@ -23,7 +23,7 @@ rows. A chunk of 64 columns that are all masked (a long left padding, a hole) is
 fp32 cache (with one layer's cache in L2, 3.6-4.0 against 3.0-3.1 ms: the widening's own cost); widening the values
 into a buffer too took 54-55 ms. An fp32 cache is read ahead: a row's values are prefetched while its keys
 are scored, and the next row's keys while its values are weighted (at 64 rows over 300 columns, 42 against 50 ms a
-step); a bf16 cache is not, as its widening costs what the reading does (prefetching it measured slower).
+step); a bf16 cache is not: the same prefetches measured slower there.
 
 Cascade attention (decode_step.SharedPrefix: the N responses of a prompt keep its keys and values once per
 group) runs in the same call: given the shared columns and each row's group, a row's scores cover its group's
@@ -327,8 +327,8 @@ inline void widen(const c10::BFloat16* src, int64_t rs, int64_t n, float* dst) {
 // n cache rows of D elements (row stride rs, in elements) fetched towards L2 ahead of their use. An fp32 cache's
 // row fetches its values while its keys are scored and the next (row, head)'s keys while its values are weighted,
 // so that memory is read while the scores, the softmax and the sums compute (at 64 rows over 300 columns, 30
-// layers: 42 against 50 ms a step, docs/benchmarks.md). A bf16 cache's rows are widened as they are read, which
-// costs what the reading does: prefetching them measured 2-7% slower, so they are not.
+// layers: 42 against 50 ms a step, docs/benchmarks.md). A bf16 cache's rows are not: the same prefetches measured
+// 2-7% slower there.
 template <int D, typename T>
 inline void prefetch_rows(const T* x, int64_t rs, int64_t n) {
   for (int64_t r = 0; r < n; ++r, x += rs)
