@@ -392,12 +392,11 @@ void weighted_values_bf16(const float* p, int64_t ss, const c10::BFloat16* v, in
 // weighted_values over a row's W own columns, chunk by chunk; all-masked chunks (probability 0) are skipped.
 template <int G, int D, typename T>
 void own_values_chunked(const float* p, int64_t ss, const T* v, int64_t vw, const float* mask, int64_t W,
-                        float (&acc)[G][D], const T* ahead, int64_t aw, const float* ahead_mask, int64_t aW) {
+                        float (&acc)[G][D], const T* ahead, int64_t aw, const float* ahead_mask) {
   for (int64_t w0 = 0; w0 < W; w0 += COLS) {
     const int64_t n = std::min(COLS, W - w0);
-    if constexpr (std::is_same_v<T, float>) {  // the next (row, head)'s keys, where it reads them
-      if (ahead != nullptr && w0 < aW && !all_masked(ahead_mask + w0, std::min(n, aW - w0)))
-        prefetch_rows<D>(ahead + w0 * aw, aw, std::min(n, aW - w0));
+    if constexpr (std::is_same_v<T, float>) {  // the next (row, head)'s keys (as many columns), where it reads them
+      if (ahead != nullptr && !all_masked(ahead_mask + w0, n)) prefetch_rows<D>(ahead + w0 * aw, aw, n);
     }
     if (all_masked(mask + w0, n)) continue;
     if constexpr (std::is_same_v<T, float>) {
@@ -474,7 +473,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
       if (P > 0) weighted_values<G, D>(s, N, shared.v + u * shared.vb + h * shared.vh, shared.vw, P, acc);
       const int64_t nb = (bh + 1) / H, nh = (bh + 1) % H;  // the next (row, head) this thread runs, if any
       own_values_chunked<G, D>(s + P, N, vp + b * vb + h * vh, vw, mp + b * mb, W, acc,
-                               bh + 1 < end ? kp + nb * kb + nh * kh : nullptr, kw, mp + nb * mb, W);
+                               bh + 1 < end ? kp + nb * kb + nh * kh : nullptr, kw, mp + nb * mb);
       float* o = op + bh * G * D;
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < D; ++i) o[g * D + i] = acc[g][i] * inv[g];

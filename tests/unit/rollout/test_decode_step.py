@@ -447,9 +447,9 @@ def test_the_fused_small_ops_compute_what_the_separate_ops_compute(compute: torc
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Where cpu_attention's step ops are built, a step runs its norms, rotary embedding, cache writes and SiLU
     through them (each once per layer), and a prefill its norms, rotary embedding with its cache writes, and SiLU;
-    the logits and every cache column are
-    those of the same steps and prefill with the separate torch ops, within float rounding, over steps that outgrow
-    the cache's room (grouped query heads, a padded batch, fp32 and bf16 matmuls)."""
+    the logits and every cache column are those of the same steps and prefill with the separate torch ops, within
+    float rounding, over steps that outgrow the cache's room (grouped query heads, a padded batch, fp32 and bf16
+    matmuls)."""
     require(cpu_attention.kernel_available(), "the CPU kernel is not built (no compiler?)")
     monkeypatch.setattr(decode_step, "panels_pay", lambda: matmuls == "panels")  # bf16 matmuls never use panels
     model, _ = _tiny(seed=5, heads="grouped")
