@@ -30,6 +30,13 @@ iteration that logs no KL. On a CPU the count is the matrix products' alone (wei
 FlopCounterMode has no formula for torch's CPU flash-attention kernels, forward or backward, so attention's FLOPs
 (about 5% more for a Bandit group's useful query-key pairs) are left out.
 
+The counted update also records its matrix products (bench/matmul.py's ProductRecorder: the op and its operands'
+shapes, strides and dtypes) and times them where they run (``update_products_s``); they are then replayed alone, in
+their order, on operands of their layouts (``update_products_replayed_s``, the best of 3). The counted FLOPs over
+that replay's seconds times the same rate is ``update_roofline_ceiling_frac``: what ``update_roofline_frac`` would
+be if everything else in the update (attention, norms, casts, the optimizer, Python) took no time, with torch's
+matrix products as they are.
+
 To compare with an older checkout (side by side on one machine), run that checkout's bench with the same
 ``--set`` overrides the case prints (``overrides``), e.g. from a git worktree: PYTHONPATH=<worktree>.
 
@@ -43,7 +50,8 @@ thousand of them (``s_per_1k_tokens``), to compare two runs' steps on the same w
 may not count them: its session's evaluate_policy, collect_rollouts and tokenize_and_filter can be wrapped to.
 
 The last line printed is one JSON object: {"seconds": {...}, "share": {...}, "diagnostics_share": ...,
-"update_roofline_frac": ..., "val_success": [[iteration, validation success], ...], "work_tokens": {...},
+"update_roofline_frac": ..., "update_roofline_ceiling_frac": ...,
+"val_success": [[iteration, validation success], ...], "work_tokens": {...},
 "s_per_1k_tokens": {...}}
 """
 
@@ -57,7 +65,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from matmul import matmul_rate
+from matmul import ProductRecorder, matmul_rate
 
 from ragen_core import memory, session
 from ragen_core.config import load_experiment, load_sweep
@@ -103,18 +111,22 @@ def update_roofline(sess: session.Session, rates: dict[str, float]) -> dict[str,
                advantage_scale=selection.advantage_scale, kl_metric=False)
         return time.perf_counter() - t
 
-    counter = FlopCounterMode(display=False)
-    with counter:
+    counter, products = FlopCounterMode(display=False), ProductRecorder()
+    with products, counter:  # the counter innermost-first: the products' seconds leave out its bookkeeping
         run()
     flops = counter.get_total_flops()
     seconds = run()
+    replayed = products.replay_seconds()
     precision = compute_precision(sess.cfg)
     rate_after = matmul_rate(DTYPES[precision]) / 1e9
     rate = max(rates[precision], rate_after)
     return {"update_flops_g": round(flops / 1e9, 1), "update_s": round(seconds, 3), "precision": precision,
             "update_gflop_per_s": round(flops / seconds / 1e9, 1),
             "matmul_gflop_per_s_after_update": round(rate_after, 1),
-            "update_roofline_frac": round(flops / seconds / 1e9 / rate, 3)}
+            "update_roofline_frac": round(flops / seconds / 1e9 / rate, 3),
+            "update_products": len(products.calls), "update_products_flops_g": round(products.flops() / 1e9, 1),
+            "update_products_s": round(products.seconds, 3), "update_products_replayed_s": round(replayed, 3),
+            "update_roofline_ceiling_frac": round(flops / replayed / 1e9 / rate, 3)}
 
 
 def main() -> None:
@@ -206,6 +218,9 @@ def main() -> None:
         print(f"update ({roofline['precision']}): {roofline['update_flops_g']:.0f} GFLOP in "
               f"{roofline['update_s']:.2f} s, {roofline['update_gflop_per_s']:.0f} GFLOP/s: "
               f"roofline fraction {roofline['update_roofline_frac']:.2f}")
+        print(f"its {roofline['update_products']} matrix products: {roofline['update_products_s']:.2f} s in the "
+              f"counted update, {roofline['update_products_replayed_s']:.2f} s replayed alone: the fraction's "
+              f"ceiling, were the rest free, {roofline['update_roofline_ceiling_frac']:.2f}")
     if args.flow:
         flow_rows = run_flow(experiment, overrides)
         plain_s, flow_s = _mean_of(plain_rows[1:], ITERATION), _mean_of(flow_rows[1:], ITERATION)
