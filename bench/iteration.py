@@ -112,7 +112,9 @@ def update_roofline(sess: session.Session, rates: dict[str, float]) -> dict[str,
         return time.perf_counter() - t
 
     counter, products = FlopCounterMode(display=False), ProductRecorder()
-    with products, counter:  # the counter innermost-first: the products' seconds leave out its bookkeeping
+    # the counter, entered last, sees each op first and hands it on to the recorder: the products' seconds leave
+    # out the counter's bookkeeping
+    with products, counter:
         run()
     flops = counter.get_total_flops()
     seconds = run()
