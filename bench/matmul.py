@@ -4,9 +4,11 @@ so it runs with the same threads as what it is compared with."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -54,13 +56,9 @@ class ProductRecorder(TorchDispatchMode):
         return out
 
     def flops(self) -> int:
-        """The recorded products' FLOPs: 2 x m x k x n each (x the batch for bmm and baddbmm)."""
-        total = 0
-        for func, args, _ in self.calls:
-            a, b = (args[1], args[2]) if func in ADDS else (args[0], args[1])
-            batch = a.shape[0] if len(a.shape) == 3 else 1
-            total += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
-        return total
+        """The recorded products' FLOPs by torch's FlopCounterMode formulas (2 x m x k x n each, x the batch for bmm
+        and baddbmm), addmm_'s too, which the counter itself does not count."""
+        return sum(PRODUCTS[func](*(a.shape for a in args if isinstance(a, _Layout))) for func, args, _ in self.calls)
 
     def replay_seconds(self, repeats: int = 3) -> float:
         """The recorded products run again alone, in their order and on inputs of their layouts: the best of
@@ -99,6 +97,9 @@ class _Layout(NamedTuple):
 
 
 aten = torch.ops.aten
-ADDS = {aten.addmm.default, aten.addmm_.default, aten.baddbmm.default}
-"""The products whose first argument is the term added (its operands come second and third)."""
-PRODUCTS = {aten.mm.default, aten.bmm.default, *ADDS}
+PRODUCTS: dict[Any, Callable[..., int]] = {
+    aten.mm.default: flop_counter.mm_flop, aten.bmm.default: flop_counter.bmm_flop,
+    aten.addmm.default: flop_counter.addmm_flop, aten.addmm_.default: flop_counter.addmm_flop,
+    aten.baddbmm.default: flop_counter.baddbmm_flop,
+}
+"""The products recorded, each with its FLOP formula over its tensor arguments' shapes."""
