@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch  # needed for the default of load_model's dtype; transformers stays lazy
 
+from ragen_core import vector_math
 from ragen_core.models.gguf import fetch_default_model
 from ragen_core.models.spec import check_user_dir, hf_snapshot, parse_spec
 from ragen_core.models.tiny import ensure_tiny, tiny_random, tiny_tokenizer
@@ -47,6 +48,7 @@ def resolve_model(spec: str) -> Path:
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """The tokenizer of ``spec`` (tiny-random is built in-process, nothing is written)."""
+    vector_math.resolve()  # before the model's first op: its first large one could run at low accuracy
     parsed = parse_spec(spec)
     if parsed.kind == "tiny":
         return tiny_tokenizer()
@@ -70,6 +72,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu
         # save_pretrained, and then warns that it is "unable to detect" a GPU and falls back to the
         # CPU. With no CUDA and the model on the CPU, name the CPU for it (what it would pick).
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    vector_math.resolve()  # before the model's first op: its first large one could run at low accuracy
     parsed = parse_spec(spec)
     if parsed.kind == "tiny":
         model, _ = tiny_random(parsed.seed, parsed.arch)

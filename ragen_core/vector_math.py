@@ -1,0 +1,56 @@
+"""MKL's vector math set up on one thread before a process's first large float op, so that no op is computed at low
+accuracy.
+
+    from ragen_core import vector_math
+    vector_math.resolve()   # idempotent; load_model calls it (ragen_core/models/loading.py)
+
+On a CPU, torch hands a contiguous float32 or float64 tensor's cos, sin, exp, log, sqrt, tanh, erf and a few more
+to MKL's vector math (VML; ``ATen/cpu/vml.h``): each intra-op thread calls it on its own chunk of at least 2,048
+elements. The oneMKL that torch's wheels bundle (2024.2) picks its kernels on the process's first VML call, and when
+that first call runs on several threads at once, one thread can run a low-accuracy kernel on its whole chunk, though
+the call asks for high accuracy (pytorch/pytorch#188792; oneMKL 2025.0 and later do not show it). The next call is
+right, so the wrong values are never seen twice.
+
+Measured on the AMX machine (2026-12-05), each time in fresh processes:
+
+- The first ``cos`` of 2,432 float32 values (the rotary embedding of a 38-token prompt) on 2 threads. In 10 of 60
+  processes it differed from the process's later calls on half its values (one thread's chunk), off by up to 1,282
+  ulp. The later calls were off by at most 0.5 ulp.
+- sin, exp, log and tanh did the same when they were the first call: 1 in 16 processes each.
+- Only the process's first VML call goes wrong: with 32 ops run in turn on 4,096 values, only the first ever differed
+  (2 in 40 processes, whichever op came first). After one call on a single element, made on one thread, no first
+  parallel ``cos`` differed (0 of 60).
+- In this project that first call was the rotary embedding of the first evaluation's prefill. So the first validation
+  of a seeded vanilla run on the Bandit study's setting came out 0.5625 (1,565 sampled tokens) in 6 of 33 processes
+  on one day and 5 of 91 on the next, and 0.5312 (1,556) in the others.
+
+:func:`resolve` makes one single-element call of each op that torch routes to VML, in float32 and float64 (the
+header's ``IMPLEMENT_VML_MKL`` list, which the test checks against the installed torch). A single element is one
+chunk, so the call runs on the calling thread alone. Where torch has no MKL the same ops run torch's own vectorised
+code, and the calls cost microseconds.
+
+Tests: ``.venv/bin/python -m pytest tests/unit/test_vector_math.py -q``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["VML_OPS", "resolve"]
+
+VML_OPS = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2", "sin", "sqrt", "tan",
+           "tanh", "trunc")
+"""The torch ops whose float32 and float64 CPU kernels call MKL's vector math (``IMPLEMENT_VML_MKL`` in
+``ATen/cpu/vml.h``)."""
+
+
+@functools.cache
+def resolve() -> None:
+    """Call each of :data:`VML_OPS` once on one element of each float dtype, on this thread (once a process)."""
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.float64):
+            one = torch.full((1,), 0.5, dtype=dtype)  # inside every op's domain (acos, erfinv, log ...)
+            for op in VML_OPS:
+                getattr(torch, op)(one)
