@@ -8,10 +8,10 @@ On a CPU, torch hands a contiguous float32 or float64 tensor's cos, sin, exp, lo
 to MKL's vector math (VML; ``ATen/cpu/vml.h``): each intra-op thread calls it on its own chunk of at least 2,048
 elements. The oneMKL that torch's wheels bundle (2024.2) picks its kernels on the process's first VML call, and when
 that first call runs on several threads at once, one thread can run a low-accuracy kernel on its whole chunk, though
-the call asks for high accuracy (pytorch/pytorch#188792; oneMKL 2025.0 and later do not show it). The next call is
-right, so the wrong values are never seen twice.
+the call asks for high accuracy (pytorch/pytorch#188792; oneMKL 2025.0 and later do not show it). Later calls are
+right: only that first call can be wrong, but what it computed stays wrong wherever it is kept.
 
-Measured on the AMX machine (2026-12-05), each time in fresh processes:
+Measured on the AMX machine (2026-12-06), each time in fresh processes:
 
 - The first ``cos`` of 2,432 float32 values (the rotary embedding of a 38-token prompt) on 2 threads. In 10 of 60
   processes it differed from the process's later calls on half its values (one thread's chunk), off by up to 1,282

@@ -48,7 +48,6 @@ def resolve_model(spec: str) -> Path:
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """The tokenizer of ``spec`` (tiny-random is built in-process, nothing is written)."""
-    vector_math.resolve()  # before the model's first op: its first large one could run at low accuracy
     parsed = parse_spec(spec)
     if parsed.kind == "tiny":
         return tiny_tokenizer()
