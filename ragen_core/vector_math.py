@@ -5,11 +5,12 @@ accuracy.
     vector_math.resolve()   # idempotent; load_model calls it (ragen_core/models/loading.py)
 
 On a CPU, torch hands a contiguous float32 or float64 tensor's cos, sin, exp, log, sqrt, tanh, erf and a few more
-to MKL's vector math (VML; ``ATen/cpu/vml.h``): each intra-op thread calls it on its own chunk of at least 2,048
-elements. The oneMKL that torch's wheels bundle (2024.2) picks its kernels on the process's first VML call, and when
-that first call runs on several threads at once, one thread can run a low-accuracy kernel on its whole chunk, though
-the call asks for high accuracy (pytorch/pytorch#188792; oneMKL 2025.0 and later do not show it). Later calls are
-right: only that first call can be wrong, but what it computed stays wrong wherever it is kept.
+to MKL's vector math (VML; ``ATen/cpu/vml.h``); a tensor of more than 2,048 elements is split among the intra-op
+threads, each calling it on its own chunk. The oneMKL that torch's wheels bundle (2024.2) picks its kernels on the
+process's first VML call, and when that first call runs on several threads at once, one thread can run a
+low-accuracy kernel on its whole chunk, though the call asks for high accuracy (pytorch/pytorch#188792; oneMKL 2025.0
+and later do not show it). Later calls are right: only that first call can be wrong, but what it computed stays
+wrong wherever it is kept.
 
 Measured on the AMX machine (2026-12-06), each time in fresh processes:
 
@@ -25,8 +26,8 @@ Measured on the AMX machine (2026-12-06), each time in fresh processes:
   on one day and 5 of 91 on the next, and 0.5312 (1,556) in the others.
 
 :func:`resolve` makes one single-element call of each op that torch routes to VML, in float32 and float64 (the
-header's ``IMPLEMENT_VML_MKL`` list, which the test checks against the installed torch). A single element is one
-chunk, so the call runs on the calling thread alone. Where torch has no MKL the same ops run torch's own vectorised
+header's ``IMPLEMENT_VML_MKL`` list, which the test checks against the installed torch). A single element is not
+split, so the call runs on the calling thread alone. Where torch has no MKL the same ops run torch's own vectorised
 code, and the calls cost microseconds.
 
 Tests: ``.venv/bin/python -m pytest tests/unit/test_vector_math.py -q``.

@@ -43,7 +43,7 @@ def test_resolve_calls_each_op_on_one_element_of_each_float_dtype() -> None:
         vector_math.resolve.__wrapped__()  # the body itself: the cached one may have run already in this process
     wanted = {(op, dtype) for op in vector_math.VML_OPS for dtype in (torch.float32, torch.float64)}
     assert {(op, dtype) for op, dtype, _ in calls.seen} == wanted
-    # one element is one chunk of torch's parallel_for (2,048 elements a chunk): it runs on the calling thread
+    # torch splits a tensor among its threads only past 2,048 elements: one element runs on the calling thread
     assert {n for _, _, n in calls.seen} == {1}
 
 
