@@ -12,18 +12,10 @@ low-accuracy kernel on its whole chunk, though the call asks for high accuracy (
 and later do not show it). Later calls are right: only that first call can be wrong, but what it computed stays
 wrong wherever it is kept.
 
-Measured on the AMX machine (2026-12-06), each time in fresh processes:
-
-- The first ``cos`` of 2,432 float32 values (the rotary embedding of a 38-token prompt) on 2 threads. In 10 of 60
-  processes it differed from the process's later calls on half its values (one thread's chunk), off by up to 1,282
-  ulp. The later calls were off by at most 0.5 ulp.
-- sin, exp, log and tanh did the same when they were the first call: 1 in 16 processes each.
-- Only the process's first VML call goes wrong: with 32 ops run in turn on 4,096 values, only the first ever differed
-  (2 in 40 processes, whichever op came first). After one call on a single element, made on one thread, no first
-  parallel ``cos`` differed (0 of 60).
-- In this project that first call was the rotary embedding of the first evaluation's prefill. So the first validation
-  of a seeded vanilla run on the Bandit study's setting came out 0.5625 (1,565 sampled tokens) in 6 of 33 processes
-  on one day and 5 of 91 on the next, and 0.5312 (1,556) in the others.
+After one call on a single element, made on one thread, the first call split among threads was right in every fresh
+process tried. Left as it was, the first rotary embedding of a run
+(a prefill's ``cos``) could be that call, and a seeded run then sampled other tokens in some processes
+(docs/benchmarks.md has the counts).
 
 :func:`resolve` makes one single-element call of each op that torch routes to VML, in float32 and float64 (the
 header's ``IMPLEMENT_VML_MKL`` list, which the test checks against the installed torch). A single element is not

@@ -60,8 +60,8 @@ print(((first.double() - exact).abs() / exact.abs().clamp(min=1e-30)).max().item
 
 
 def test_a_fresh_process_first_parallel_cos_is_accurate_once_resolved() -> None:
-    """Without resolve(), 7 of 48 such processes run one after the other had a chunk off by ~1,282 ulp (the
-    AMX machine, torch 2.13's oneMKL 2024.2); this one catches that in most runs, not every one."""
+    """Without resolve(), about one such process in seven has a chunk off by ~1,282 ulp (torch 2.13's oneMKL
+    2024.2): six processes catch that in most runs, not every one."""
     errors = [float(subprocess.run([sys.executable, "-c", FIRST_COS], cwd=ROOT, capture_output=True, text=True,
                                    check=True, timeout=120).stdout)
               for _ in range(6)]
