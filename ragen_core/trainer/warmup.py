@@ -19,8 +19,10 @@ Method ``self_distill``: the thoughts are the model's OWN. Dialogues are played 
 model's hf generator at temperature 1.0; :func:`rollout.batch.build_token_batch` builds rows whose loss mask
 is exactly the reply tokens (the prompt and the prefilled tag are context), and ``train_format``
 (``ragen_core/trainer/supervised.py``) fine-tunes on them. All data is sampled from the base model before
-training (a fixed target: training on its own samples leaves the thoughts' distribution where it was, in
-expectation; what it learns is where a thought ends and what follows). The loss is on every reply token,
+training (a fixed target: what it should learn is where a thought ends and what follows). It does move the
+thoughts, though: on Sokoban the warmed model's first thoughts are shorter than the ones it trained on (about
+21 tokens against 29) and carry about half the base model's I(X;Z) (docs/benchmarks.md, the Sokoban warm-up's
+state dependence). The loss is on every reply token,
 thought included: with the thought masked out the model learned to close ``</think>`` at once (0.3 think
 tokens, entropy 0.1 after 30 steps on Bandit, measured), since nothing then told it to keep thinking before
 a cut point. The warm-up plays first turns only (:data:`DIALOGUE_TURNS`), four replies per state

@@ -12,8 +12,9 @@ After ``model.warmup: self_distill`` (bench/warmup.py prints the same numbers an
   random-policy level (the actions it trains on are random: it teaches the format, not the task);
 - Sokoban (5 turns, replies capped at 128 tokens for a CPU): validity rises from <= 0.1 of the base
   model's first turns to >= 0.7 over every turn, and the first-turn thoughts stay state-dependent (8
-  states x 8 replies): I(X;Z) at least half of the base model's own thoughts' (cut as the warm-up cuts
-  them, since the base model rarely closes the block itself), above 5% of log 8 (0.104 nats: the template
+  states x 8 replies, the mean of three sampling seeds for each model): I(X;Z) at least half of the base
+  model's own thoughts' (cut as the warm-up cuts them, since the base model rarely closes the block itself,
+  and drawn the same way), above 5% of log 8 (0.104 nats: the template
   rule's floor, health.template_mi_floor; 17x the canned warm-up's 0.006), and retrieval accuracy above
   chance (1/8). The collapse diagnostics (``trainer.collapse.measure_collapse``) are checked on these real
   samples too: finite, MI at most log N (plus Monte-Carlo noise), retrieval accuracy a probability.

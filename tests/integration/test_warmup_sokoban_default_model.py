@@ -28,34 +28,49 @@ def _first_turn(cfg: ExperimentConfig) -> ExperimentConfig:
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_turns=1))
 
 
+# I(X;Z) of one draw of 8 states x 8 first-turn replies is noisy: on one warmed model and 9 sampling seeds it
+# ranged 0.12-0.45 nats (sd 0.10), and the base model's cut thoughts 0.20-0.60 over 6 (sd 0.14). Both models are
+# measured the same way over the same sampling seeds and compared by their means: three draws cut the standard
+# error of each mean by 1.7x.
+STATES, REPLIES, DRAWS = 8, 8, (1, 2, 3)
+
+
+def _mean(draws: list[dict[str, float]], key: str) -> float:
+    return sum(m[key] for m in draws) / len(draws)
+
+
 def test_warmup_keeps_sokoban_thoughts_state_dependent() -> None:
     cfg = load_experiment(EXPERIMENTS / "sokoban-starpo-s.yaml", ["rollout.max_new_tokens=128"])
+    first = _first_turn(cfg)
     tok = load_tokenizer(cfg.model.name)
     base = load_model(cfg.model.name)
     # the base model's first turns: with no history it closes no thought, and later turns only repeat it (5
     # turns of 128-token replies would cost five times as much to say the same)
-    before = warmup.format_stats(warmup.sample_episodes(base, tok, _first_turn(cfg), 32))
-    # the base model's own first-turn thoughts on 8 states x 4 replies, cut as the warm-up cuts them
-    cut, _ = warmup.self_distill_dialogues(base, tok, _first_turn(cfg), 8, seed_start=0, n_per_group=4)
-    mi_before = measure_collapse(base, tok, cut)
+    before = warmup.format_stats(warmup.sample_episodes(base, tok, first, 32))
+    # the base model's own first-turn thoughts, cut as the warm-up cuts them (it rarely closes one itself)
+    mi_before = [measure_collapse(base, tok, warmup.self_distill_dialogues(
+        base, tok, first, STATES, seed=s, seed_start=0, n_per_group=REPLIES)[0]) for s in DRAWS]
     path = warmup.warmup_model(cfg, progress=print)
     warmed = load_model(str(path))
     after = warmup.format_stats(warmup.sample_episodes(warmed, tok, cfg, 32))
-    # 8 states x 8 replies: one draw of 8 x 4 gave I(X;Z) from 0.08 to 0.48 nats on the same warmed model (3
-    # sampling seeds each on 6 warm-ups, mean 0.30, sd about 0.1); 8 per state halves the estimate's variance
-    grid = warmup.sample_episodes(warmed, tok, _first_turn(cfg), 8, n_per_group=8, sampling_seed=1)
-    mi_after = measure_collapse(warmed, tok, grid)
-    print(f"validity {before['validity']:.3f} -> {after['validity']:.3f}; I(X;Z) {mi_before['mi']:.3f} -> "
-          f"{mi_after['mi']:.3f} of {mi_after['mi_upper_bound']:.2f}; retrieval {mi_before['retrieval_acc']:.3f} -> "
-          f"{mi_after['retrieval_acc']:.3f} (chance {mi_after['retrieval_chance']:.3f}); "
-          f"{mi_after['distinct_reasonings']:.0f} distinct of {mi_after['n_reasonings']:.0f}")
-    for m in (mi_before, mi_after):  # the diagnostics themselves on real samples: finite and in range
+    mi_after = [measure_collapse(warmed, tok, warmup.sample_episodes(
+        warmed, tok, first, STATES, n_per_group=REPLIES, sampling_seed=s)) for s in DRAWS]
+    mi0, mi1 = _mean(mi_before, "mi"), _mean(mi_after, "mi")
+    ret0, ret1 = _mean(mi_before, "retrieval_acc"), _mean(mi_after, "retrieval_acc")
+    bound, chance = mi_after[0]["mi_upper_bound"], mi_after[0]["retrieval_chance"]
+    print(f"validity {before['validity']:.3f} -> {after['validity']:.3f}; I(X;Z) {mi0:.3f} -> {mi1:.3f} of "
+          f"{bound:.2f} (draws {[round(m['mi'], 3) for m in mi_before]} -> {[round(m['mi'], 3) for m in mi_after]}); "
+          f"retrieval {ret0:.3f} -> {ret1:.3f} (chance {chance:.3f}); thought tokens "
+          f"{_mean(mi_before, 'reasoning_tokens'):.1f} -> {_mean(mi_after, 'reasoning_tokens'):.1f}; distinct "
+          f"{[int(m['distinct_reasonings']) for m in mi_after]} of {[int(m['n_reasonings']) for m in mi_after]}")
+    for m in mi_before + mi_after:  # the diagnostics themselves on real samples: finite and in range
         assert all(math.isfinite(v) for v in m.values())
         assert -0.5 <= m["mi"] <= m["mi_upper_bound"] + 0.05  # an estimate: a little noise either way
         assert m["retrieval_chance"] <= 1.0 and 0.0 <= m["retrieval_acc"] <= 1.0
     assert before["validity"] <= 0.1
     assert after["validity"] >= 0.7
-    assert mi_after["n_prompts"] == 8 and mi_after["n_reasonings"] >= 48  # most replies close their thought
-    assert mi_after["mi"] >= 0.5 * mi_before["mi"]
-    assert mi_after["mi"] > 0.05 * mi_after["mi_upper_bound"]  # not template-collapsed
-    assert mi_after["retrieval_acc"] > mi_after["retrieval_chance"]
+    for m in mi_after:  # most replies close their thought
+        assert m["n_prompts"] == STATES and m["n_reasonings"] >= 0.75 * STATES * REPLIES
+    assert mi1 >= 0.5 * mi0
+    assert mi1 > 0.05 * bound  # not template-collapsed
+    assert ret1 > chance
