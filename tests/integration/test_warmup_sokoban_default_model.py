@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ STATES, REPLIES, DRAWS = 8, 8, (1, 2, 3)
 
 
 def _mean(draws: list[dict[str, float]], key: str) -> float:
-    return sum(m[key] for m in draws) / len(draws)
+    return statistics.fmean(m[key] for m in draws)
 
 
 def test_warmup_keeps_sokoban_thoughts_state_dependent() -> None:
