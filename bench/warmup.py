@@ -121,11 +121,13 @@ def main() -> None:
         f"{marker['train_seconds']:.0f} training, {marker['check_seconds']:.0f} checking), "
         f"{marker['cpu_seconds']:.0f} s CPU on {marker['threads']} threads when trained; this call {call_s:.1f} s; "
         f"own thought ends {marker['own_thought_end']:.2f}, own actions {marker['own_actions']:.2f}, "
+        f"placeholder copies left out {marker['placeholder_copies']:.2f}, "
         f"thoughts {marker['thought_tokens']:.1f} tokens")
     after = measure("after", str(path), cfg, args)
     facts = ("method", "steps", "lr", "loss_first", "loss_last", "validity_before", "validity_after", "own_thought_end",
-             "sentence_cut", "length_cut", "own_actions", "thought_tokens", "thought_cap", "distinct_first_thoughts",
-             "sample_seconds", "train_seconds", "check_seconds", "seconds", "cpu_seconds", "threads")
+             "sentence_cut", "length_cut", "own_actions", "placeholder_copies", "thought_tokens", "thought_cap",
+             "distinct_first_thoughts", "sample_seconds", "train_seconds", "check_seconds", "seconds", "cpu_seconds",
+             "threads")
     print(json.dumps({
         "model": cfg.model.name, "env": cfg.env.name, "think": cfg.rollout.think, "prefill": cfg.rollout.prefill,
         "max_turns": cfg.rollout.max_turns, "max_new_tokens": cfg.rollout.max_new_tokens, "samples": args.samples,

@@ -23,10 +23,12 @@ if TYPE_CHECKING:
 
     from ragen_core.config import RolloutConfig
 
-__all__ = ["FORMAT_NOTHINK", "FORMAT_THINK", "first_user_text", "fmt_reward", "instruction_block", "make_renderer",
-           "reply_prefill", "turn_text"]
+__all__ = ["FORMAT_NOTHINK", "FORMAT_THINK", "THOUGHT_PLACEHOLDER", "first_user_text", "fmt_reward",
+           "instruction_block", "make_renderer", "reply_prefill", "turn_text"]
 
-FORMAT_THINK = "<think> [your thoughts] </think> <answer> [your answer] </answer>"
+THOUGHT_PLACEHOLDER = "[your thoughts]"
+"""What the format line puts where a thought goes."""
+FORMAT_THINK = f"<think> {THOUGHT_PLACEHOLDER} </think> <answer> [your answer] </answer>"
 """The required reply format with thinking (the reference's wording)."""
 FORMAT_NOTHINK = "<answer> [your answer] </answer>"
 """The required reply format in the NoThink variant."""

@@ -15,19 +15,22 @@ RL has no signal.
 
 Method ``self_distill``: the thoughts are the model's OWN. Dialogues are played by the REAL rollout loop
 (``rollout.loop.run_rollouts``) on env seeds of their own, with ``SelfDistillGenerator``
-(``ragen_core/rollout/format_generators.py``, which says how a reply is cut and completed) wrapping the
-model's hf generator at temperature 1.0; :func:`rollout.batch.build_token_batch` builds rows whose loss mask
-is exactly the reply tokens (the prompt and the prefilled tag are context), and ``train_format``
+(``ragen_core/rollout/format_generators.py``, which says how a reply is cut and completed) wrapping the model's
+hf generator at temperature 1.0; :func:`rollout.batch.build_token_batch` builds rows whose loss mask is exactly
+the reply tokens (the prompt and the prefilled tag are context), and ``train_format``
 (``ragen_core/trainer/supervised.py``) fine-tunes on them. All data is sampled from the base model before
 training (a fixed target: what it should learn is where a thought ends and what follows). It does move the
-thoughts, though: on Sokoban the warmed model's first thoughts are shorter than the ones it trained on (about
-21 tokens against 29) and carry about half the base model's I(X;Z) (docs/benchmarks.md, the Sokoban warm-up's
-state dependence). The loss is on every reply token,
-thought included: with the thought masked out the model learned to close ``</think>`` at once (0.3 think
-tokens, entropy 0.1 after 30 steps on Bandit, measured), since nothing then told it to keep thinking before
-a cut point. The warm-up plays first turns only (:data:`DIALOGUE_TURNS`), four replies per state
-(:data:`_GROUP`), ``model.warmup_steps`` x 8 replies. In NoThink mode there are no thoughts: the replies are
-the model's own valid answers, else random ones.
+thoughts a little: on Sokoban the warmed model's first thoughts carry about 0.9 of the base model's I(X;Z)
+(0.48 against 0.55 nats, one warm-up; half, before copies of the placeholder were left out: docs/benchmarks.md,
+the Sokoban warm-up's state dependence). The loss is on every reply token, thought included: with the thought
+masked out the model learned to close ``</think>`` at once (0.3 think tokens, entropy 0.1 after 30 steps on
+Bandit, measured), since nothing then told it to keep thinking before a cut point. The warm-up plays first
+turns only (:data:`DIALOGUE_TURNS`), four replies per state (:data:`_GROUP`), ``model.warmup_steps`` x 8
+replies. Replies whose thought copies the format line's placeholder (``[your thoughts]``,
+:func:`echoes_placeholder`) are dropped and more states sampled in their place: the base model writes it in
+about 3 of 10 first Sokoban thoughts (71 of 240, 38 of them nothing else, measured), a thought that reads the
+same in every state, and a warm-up that trained on them wrote it in 41 of 128 (docs/benchmarks.md). In NoThink
+mode there are no thoughts: the replies are the model's own valid answers, else random ones.
 
 Canned content-free thoughts (one of 20, with random actions) are not used: they make every thought the
 same few sentences, so reasoning starts RL collapsed (first-turn Sokoban thoughts warmed up that way carried
@@ -55,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +89,8 @@ from ragen_core.rollout.format_generators import (
 )
 from ragen_core.rollout.generators import make_generator
 from ragen_core.rollout.loop import run_rollouts
+from ragen_core.rollout.parse import parse_response
+from ragen_core.rollout.prompts import THOUGHT_PLACEHOLDER
 from ragen_core.trainer.forward import first_scored, policy_forward
 from ragen_core.trainer.models import resolve_device
 from ragen_core.trainer.supervised import train_format
@@ -96,15 +102,15 @@ if TYPE_CHECKING:
     from ragen_core.types import Trajectory
 
 __all__ = [
-    "FORMAT_VERSION", "METHODS", "format_stats", "measure_format", "random_policy_stats", "reply_entropy",
-    "reply_stats", "sample_episodes", "self_distill_dialogues", "synthetic_dialogues", "train_format",
-    "warmup_dir", "warmup_facts", "warmup_key", "warmup_model",
+    "FORMAT_VERSION", "METHODS", "echoes_placeholder", "format_stats", "measure_format", "random_policy_stats",
+    "reply_entropy", "reply_stats", "sample_episodes", "self_distill_dialogues", "synthetic_dialogues",
+    "train_format", "warmup_dir", "warmup_facts", "warmup_key", "warmup_model",
 ]
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Bumped whenever the training data or recipe changes, so old caches are not reused
 (2: linear learning-rate decay; 3: self-distillation of the model's own thoughts replaces canned ones;
-4: first turns only, four replies per state)."""
+4: first turns only, four replies per state; 5: thoughts that copy the format line's placeholder are dropped)."""
 
 METHODS = ("none", "self_distill")
 """Values of ``model.warmup``."""
@@ -127,6 +133,8 @@ warm-up on Sokoban, validity by turn was 0.84 / 0.83 / 0.85 / 0.76 / 0.80 over 3
 (measured), while whole 5-turn dialogues cost ~4x to sample and ~3x per step to train."""
 _SAMPLE_CHUNK = 64
 """Dialogues sampled together (one ``run_rollouts`` call): bounds the KV cache of a batch."""
+_MOST_STATES = 4
+"""States sampled at most per state wanted when thoughts that copy the prompt's placeholder are dropped."""
 _CHECK_EPISODES = 32
 """First turns sampled from the warmed model to record its format validity in the marker."""
 _CHECK_MAX_NEW_TOKENS = 128
@@ -165,6 +173,17 @@ def _check_parsed(trajs: Sequence[Trajectory]) -> None:
         raise RuntimeError(f"warm-up replies that the rollout loop rejected (seed, turn, reply): {bad[:3]}")
 
 
+def echoes_placeholder(traj: Trajectory) -> bool:
+    """Whether a thought of ``traj`` copies the format line's placeholder (:data:`THOUGHT_PLACEHOLDER`, in any
+    case, with or without its brackets). Such a thought is the prompt's wording, not the model's thinking: it
+    reads the same in every state."""
+    return any(_echoes(parse_response(turn.response_text).think) for turn in traj.turns)
+
+
+def _echoes(thought: str) -> bool:
+    return THOUGHT_PLACEHOLDER.strip("[]") in thought.lower()
+
+
 def self_distill_dialogues(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -174,29 +193,47 @@ def self_distill_dialogues(
     seed: int = WARMUP_SEED,
     seed_start: int = _SEED_START,
     n_per_group: int = 1,
+    drop: Callable[[Trajectory], bool] | None = None,
     progress: Progress | None = None,
 ) -> tuple[list[Trajectory], list[dict[str, Any]]]:
     """``n`` groups of ``n_per_group`` episodes (env seeds ``seed_start..``) played by :class:`SelfDistillGenerator`
     over ``model`` in the real loop, sampled at temperature 1.0 in chunks of about :data:`_SAMPLE_CHUNK` episodes;
     and the generator's per-reply records, in reply order. Every turn parses and names only valid actions (checked).
+
+    With ``drop``, the episodes it picks are left out and further states are sampled (as many as the share kept
+    so far says the rest takes) until ``n * n_per_group`` episodes are kept (the first that many); a state then
+    keeps fewer than ``n_per_group``. The records are those of every reply sampled, the dropped ones included.
+    Raises ``RuntimeError`` when :data:`_MOST_STATES` x ``n`` states do not give enough.
     """
     max_len = _max_length(cfg, model)
     rng = np.random.default_rng(seed)
+    want = n * n_per_group
     trajs: list[Trajectory] = []
     records: list[dict[str, Any]] = []
     chunk = max(1, _SAMPLE_CHUNK // n_per_group)
-    for c, start in enumerate(range(seed_start, seed_start + n, chunk)):
-        seeds = list(range(start, min(start + chunk, seed_start + n)))
+    end = seed_start + (n if drop is None else _MOST_STATES * n)
+    start, c, sampled = seed_start, 0, 0
+    while len(trajs) < want and start < end:
+        kept = len(trajs) / sampled if sampled else 1.0  # share kept so far: how many states the rest takes
+        states = math.ceil(-(-(want - len(trajs)) // n_per_group) / max(kept, 1 / _MOST_STATES))
+        seeds = list(range(start, min(start + chunk, start + states, end)))
         inner = make_generator("hf", model, tokenizer, max_length=max_len)
         gen = SelfDistillGenerator(inner, tokenizer, cfg.env, cfg.rollout, seeds, n_per_group, rng)
-        trajs += run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, seeds, n_per_group, 1.0,
-                              group_offset=start - seed_start, sampling_seed=seed * 1_000_003 + c,
-                              model_max_length=max_len)
+        new = run_rollouts(cfg.env, gen, tokenizer, cfg.rollout, seeds, n_per_group, 1.0,
+                           group_offset=start - seed_start, sampling_seed=seed * 1_000_003 + c,
+                           model_max_length=max_len)
+        _check_parsed(new)
+        start, c, sampled = seeds[-1] + 1, c + 1, sampled + len(new)
+        trajs += new if drop is None else [t for t in new if not drop(t)]
         records += gen.records
         if progress is not None:
-            progress(f"format warm-up: sampled {len(trajs)}/{n * n_per_group} dialogues of the model's own thoughts")
-    _check_parsed(trajs)
-    return trajs, records
+            progress(f"format warm-up: sampled {sampled} dialogues of the model's own thoughts, "
+                     f"kept {min(len(trajs), want)}/{want}")
+    if len(trajs) < want:
+        raise RuntimeError(f"format warm-up: only {len(trajs)} of {sampled} dialogues sampled from "
+                           f"{end - seed_start} states were kept, {want} are needed (the rest copied the "
+                           f"format line's placeholder {THOUGHT_PLACEHOLDER!r} into their thoughts)")
+    return trajs[:want], records
 
 
 # --------------------------------------------------------------------------- measuring
@@ -352,7 +389,7 @@ def warmup_model(cfg: ExperimentConfig, force: bool = False, progress: Progress 
 
 
 _PARAM_FACTS = ("method", "steps", "lr", "format_version", "validity_before", "validity_after", "own_thought_end",
-                "own_actions", "thought_tokens", "distinct_first_thoughts", "seconds")
+                "own_actions", "placeholder_copies", "thought_tokens", "distinct_first_thoughts", "seconds")
 
 
 def warmup_facts(path: Path) -> dict[str, Any]:
@@ -381,7 +418,7 @@ def _build(cfg: ExperimentConfig, base_path: Path, out: Path, progress: Progress
             data_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
                 cfg.rollout, max_turns=min(cfg.rollout.max_turns, DIALOGUE_TURNS)))
             trajs, records = self_distill_dialogues(model, tokenizer, data_cfg, -(-steps * _BATCH // _GROUP),
-                                                    n_per_group=_GROUP, progress=progress)
+                                                    n_per_group=_GROUP, drop=echoes_placeholder, progress=progress)
             trajs = trajs[:steps * _BATCH]
             sampled = time.perf_counter()
             batches = [build_token_batch(trajs[i:i + _BATCH], tokenizer, cfg.rollout, max_len)
@@ -414,7 +451,9 @@ def _build(cfg: ExperimentConfig, base_path: Path, out: Path, progress: Progress
         "dialogues": len(trajs),
         "states": len({t.seed for t in trajs}),
         "dialogue_turns": data_cfg.rollout.max_turns,
+        # the facts below are over every reply sampled, the dropped ones (placeholder copies) included
         "replies": len(records),
+        "placeholder_copies": round(_share(records)(lambda r: _echoes(r["thought"])), 4),
         "thought_cap": thought_cap(cfg.rollout),
         # the base model's own first replies on the data's prompts (sampled up to thought cap + ANSWER_ROOM tokens)
         "validity_before": round(_share(firsts)(lambda r: r["valid_as_sampled"]), 4),

@@ -244,6 +244,43 @@ def test_self_distill_keeps_own_thought_ends_and_own_valid_answers(tok: PreTrain
     assert [r["valid_as_sampled"] for r in gen.records] == [True, False, False, False, False, False]
 
 
+COPIES = ("[your thoughts]</think><answer>Up</answer>",  # the placeholder alone
+          "Your thoughts: push the box.</think><answer>Left</answer>")  # any case, without its brackets
+OWN = "The box is left of me</think><answer>Left</answer>"
+
+
+def test_thoughts_that_copy_the_placeholder_are_dropped_and_more_states_sampled(
+        tok: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg(*SOKOBAN, "rollout.max_turns=1")
+    script = (*COPIES, OWN)  # one reply in three is the model's own thought
+    monkeypatch.setattr(warmup, "make_generator",
+                        lambda *a, **k: ScriptedGenerator(tok, lambda call, row, prompt: script[row % 3]))
+    model = tiny_random(0)[0]
+    # without dropping: 30 states x 2 replies, two in three of them copies
+    trajs, records = warmup.self_distill_dialogues(model, tok, cfg, 30, seed_start=5, n_per_group=2)
+    assert len(trajs) == len(records) == 60 and sum(map(warmup.echoes_placeholder, trajs)) == 40
+    assert {t.seed for t in trajs} == set(range(5, 35))
+    # dropping them: 30 states keep 20 replies; the next 40 at that share take 60 states, at most a chunk (32)
+    # of them, which keep 21; the last 19 at 41/124 take ceil(10 / (41/124)) = 31 states, which keep 20
+    trajs, records = warmup.self_distill_dialogues(model, tok, cfg, 30, seed_start=5, n_per_group=2,
+                                                   drop=warmup.echoes_placeholder)
+    assert len(trajs) == 60 and len(records) == 60 + 64 + 62
+    assert {parse_response(t.turns[0].response_text).think for t in trajs} == {"The box is left of me"}
+    # further states in place of the dropped replies: the 60th kept is row 56 of the third chunk (its state 28)
+    assert max(t.seed for t in trajs) == 5 + 30 + 32 + 28
+    assert [r["thought"].lower().startswith(("[your thoughts]", "your thoughts")) for r in records[:3]] == \
+           [True, True, False]
+
+
+def test_a_model_that_only_copies_the_placeholder_gets_a_clear_error(
+        tok: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg(*SOKOBAN, "rollout.max_turns=1")
+    monkeypatch.setattr(warmup, "make_generator",
+                        lambda *a, **k: ScriptedGenerator(tok, lambda call, row, prompt: COPIES[0]))
+    with pytest.raises(RuntimeError, match=r"only 0 of 16 dialogues sampled from 8 states.*\[your thoughts\]"):
+        warmup.self_distill_dialogues(tiny_random(0)[0], tok, cfg, 2, n_per_group=2, drop=warmup.echoes_placeholder)
+
+
 @pytest.mark.parametrize("prefill", [True, False])
 def test_nothink_replies_are_own_valid_answers_else_random(tok: PreTrainedTokenizerBase, prefill: bool) -> None:
     cfg = _cfg(*SOKOBAN[:-1], "rollout.max_actions_per_episode=9", "rollout.max_turns=1", "rollout.think=false",
@@ -438,7 +475,8 @@ def test_warmup_trains_once_then_hits_the_cache_and_force_rebuilds(data_dir: Pat
     assert marker["dialogues"] == 3 * 8 and marker["replies"] == 24
     assert marker["format_version"] == warmup.FORMAT_VERSION
     assert (marker["states"], marker["dialogue_turns"]) == (6, 1)  # first turns, four replies per state
-    for key in ("validity_before", "validity_after", "own_thought_end", "own_actions", "distinct_first_thoughts"):
+    for key in ("validity_before", "validity_after", "own_thought_end", "own_actions", "distinct_first_thoughts",
+                "placeholder_copies"):
         assert 0.0 <= marker[key] <= 1.0, key
     assert 0 <= marker["thought_tokens"] <= marker["thought_cap"] == 24  # half of the 48-token reply budget
     facts = warmup.warmup_facts(path)
