@@ -72,9 +72,9 @@ def test_warmup_keeps_sokoban_thoughts_state_dependent() -> None:
     assert after["validity"] >= 0.7
     for m in mi_after:  # most replies close their thought
         assert m["n_prompts"] == STATES and m["n_reasonings"] >= 0.75 * STATES * REPLIES
-    # the warm-up kept 0.87 of the base model's on the AVX512 machine (0.476 against 0.545); before it left out
-    # thoughts that copy the prompt's placeholder it kept about half (docs/benchmarks.md, the Sokoban warm-up's
-    # state dependence)
+    # measured: the warm-up keeps about 0.87 of the base model's (0.476 against 0.545); trained also on thoughts
+    # that copy the prompt's placeholder it kept about half (docs/benchmarks.md, the Sokoban warm-up's state
+    # dependence)
     assert mi1 >= 0.5 * mi0
     assert mi1 > 0.05 * bound  # not template-collapsed
     assert ret1 > chance
