@@ -24,13 +24,14 @@ thoughts a little: on Sokoban the warmed model's first thoughts carry about 0.9 
 (0.48 against 0.55 nats, one warm-up; about half when it also trains on copies of the placeholder:
 docs/benchmarks.md, the Sokoban warm-up's state dependence). The loss is on every reply token, thought
 included: with the thought masked out the model learned to close ``</think>`` at once (0.3 think tokens,
-entropy 0.1 after 30 steps on Bandit, measured), since nothing then told it to keep thinking before a cut point. The warm-up plays first
-turns only (:data:`DIALOGUE_TURNS`), four replies per state (:data:`_GROUP`), ``model.warmup_steps`` x 8
-replies. Replies whose thought copies the format line's placeholder (``[your thoughts]``,
-:func:`echoes_placeholder`) are dropped and more states sampled in their place: the base model writes it in
-about 3 of 10 first Sokoban thoughts (71 of 240, 38 of them nothing else, measured), a thought that reads the
-same in every state, and a warm-up that trained on them wrote it in 41 of 128 (docs/benchmarks.md). In NoThink
-mode there are no thoughts: the replies are the model's own valid answers, else random ones.
+entropy 0.1 after 30 steps on Bandit, measured), since nothing then told it to keep thinking before a cut
+point. The warm-up plays first turns only (:data:`DIALOGUE_TURNS`), four replies per state (:data:`_GROUP`),
+``model.warmup_steps`` x 8 replies. Replies whose thought copies the format line's placeholder (``[your thoughts]``,
+:func:`echoes_placeholder`) are dropped and more states sampled in their place: the base model
+writes it in about 3 of 10 first Sokoban thoughts (71 of 240, 38 of them nothing else, measured), a thought
+that reads the same in every state, and a warm-up that trained on them wrote it in 41 of 128
+(docs/benchmarks.md). In NoThink mode there are no thoughts: the replies are the model's own valid answers,
+else random ones.
 
 Canned content-free thoughts (one of 20, with random actions) are not used: they make every thought the
 same few sentences, so reasoning starts RL collapsed (first-turn Sokoban thoughts warmed up that way carried
