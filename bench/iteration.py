@@ -26,15 +26,17 @@ same update takes uncounted times the matmul rate of the run's precision measure
 rates measured before the iterations and right after that update, so that one unlucky measurement on a shared
 machine does not flatter the fraction. The bf16 rate is measured only for a run that computes in bf16 (on a CPU
 with no bf16 hardware one 2048-cubed product takes about a minute). That update runs as the loop's do on an
-iteration that logs no KL. On a CPU the count is the matrix products' alone (weights, adapters, output layer):
-FlopCounterMode has no formula for torch's CPU flash-attention kernels, forward or backward, so attention's FLOPs
-(about 5% more for a Bandit group's useful query-key pairs) are left out.
+iteration that logs no KL. The count is the model's FLOPs: every matrix product (weights, adapters, output layer;
+the fused LoRA's in-place ``addmm_`` too) and attention's products on the query-key pairs its mask lets through,
+forward and backward, whichever kernel ran them (torch's CPU flash attention or the segment kernel, for which
+FlopCounterMode has no formula of its own: bench/matmul.py's ``model_flop_mapping``). ``update_attention_flops_g``
+is attention's part, and ``update_products_roofline_frac`` the fraction over the products' FLOPs alone.
 
 The counted update also records its matrix products (bench/matmul.py's ProductRecorder: the op and its operands'
 shapes, strides and dtypes) and times them where they run (``update_products_s``); they are then replayed alone, in
-their order, on operands of their layouts (``update_products_replayed_s``, the best of 3). The counted FLOPs over
-that replay's seconds times the same rate is ``update_roofline_ceiling_frac``: what ``update_roofline_frac`` would
-be if everything else in the update (attention, norms, casts, the optimizer, Python) took no time, with torch's
+their order, on operands of their layouts (``update_products_replayed_s``, the best of 3). The products' FLOPs over
+that replay's seconds times the same rate is ``update_roofline_ceiling_frac``: what ``update_products_roofline_frac``
+would be if everything else in the update (attention, norms, casts, the optimizer, Python) took no time, with torch's
 matrix products as they are.
 
 To compare with an older checkout (side by side on one machine), run that checkout's bench with the same
@@ -65,7 +67,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from matmul import ProductRecorder, matmul_rate
+from matmul import ATTENTION_OPS, ProductRecorder, matmul_rate, model_flop_mapping
 
 from ragen_core import memory, session
 from ragen_core.config import load_experiment, load_sweep
@@ -111,12 +113,13 @@ def update_roofline(sess: session.Session, rates: dict[str, float]) -> dict[str,
                advantage_scale=selection.advantage_scale, kl_metric=False)
         return time.perf_counter() - t
 
-    counter, products = FlopCounterMode(display=False), ProductRecorder()
+    counter, products = FlopCounterMode(display=False, custom_mapping=model_flop_mapping()), ProductRecorder()
     # the counter, entered last, sees each op first and hands it on to the recorder: the products' seconds leave
     # out the counter's bookkeeping
     with products, counter:
         run()
     flops = counter.get_total_flops()
+    attention = sum(n for op, n in counter.get_flop_counts()["Global"].items() if str(op).endswith(ATTENTION_OPS))
     seconds = run()
     replayed = products.replay_seconds()
     precision = compute_precision(sess.cfg)
@@ -126,9 +129,11 @@ def update_roofline(sess: session.Session, rates: dict[str, float]) -> dict[str,
             "update_gflop_per_s": round(flops / seconds / 1e9, 1),
             "matmul_gflop_per_s_after_update": round(rate_after, 1),
             "update_roofline_frac": round(flops / seconds / 1e9 / rate, 3),
+            "update_attention_flops_g": round(attention / 1e9, 1),
+            "update_products_roofline_frac": round((flops - attention) / seconds / 1e9 / rate, 3),
             "update_products": len(products.calls), "update_products_flops_g": round(products.flops() / 1e9, 1),
             "update_products_s": round(products.seconds, 3), "update_products_replayed_s": round(replayed, 3),
-            "update_roofline_ceiling_frac": round(flops / replayed / 1e9 / rate, 3)}
+            "update_roofline_ceiling_frac": round((flops - attention) / replayed / 1e9 / rate, 3)}
 
 
 def main() -> None:
@@ -219,10 +224,12 @@ def main() -> None:
     if roofline:
         print(f"update ({roofline['precision']}): {roofline['update_flops_g']:.0f} GFLOP in "
               f"{roofline['update_s']:.2f} s, {roofline['update_gflop_per_s']:.0f} GFLOP/s: "
-              f"roofline fraction {roofline['update_roofline_frac']:.2f}")
+              f"roofline fraction {roofline['update_roofline_frac']:.2f} (attention "
+              f"{roofline['update_attention_flops_g']:.0f} GFLOP of it; the products alone "
+              f"{roofline['update_products_roofline_frac']:.2f})")
         print(f"its {roofline['update_products']} matrix products: {roofline['update_products_s']:.2f} s in the "
-              f"counted update, {roofline['update_products_replayed_s']:.2f} s replayed alone: the fraction's "
-              f"ceiling, were the rest free, {roofline['update_roofline_ceiling_frac']:.2f}")
+              f"counted update, {roofline['update_products_replayed_s']:.2f} s replayed alone: the products' "
+              f"fraction's ceiling, were the rest free, {roofline['update_roofline_ceiling_frac']:.2f}")
     if args.flow:
         flow_rows = run_flow(experiment, overrides)
         plain_s, flow_s = _mean_of(plain_rows[1:], ITERATION), _mean_of(flow_rows[1:], ITERATION)

@@ -1,5 +1,6 @@
 """bench/matmul.py's ProductRecorder: which products it records (backward passes and in-place ones included), their
-FLOPs by hand, and a replay that runs the same ops on operands of the recorded layouts.
+FLOPs by hand, and a replay that runs the same ops on operands of the recorded layouts; model_flop_mapping's counts
+of the in-place product and of attention (torch's CPU kernel and the segment kernel), by hand.
 
 Run: .venv/bin/python -m pytest tests/unit/test_bench_matmul.py -q
 """
@@ -9,10 +10,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from ragen_core.rollout.generators import cpu_attention
+from tests.conftest import require
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from matmul import ProductRecorder
+from matmul import ATTENTION_OPS, ProductRecorder, _segment_pairs, model_flop_mapping
 
 aten = torch.ops.aten
 
@@ -56,3 +63,55 @@ def test_replay_runs_every_product_on_operands_of_the_recorded_layouts() -> None
     for _, args, _ in again.calls:
         seen.append((args[0].shape, args[0].stride))
     assert seen == [(x.shape, x.stride) for x in layouts] * 3  # the warm-up and 2 timed runs
+
+
+def _counted(run: object) -> dict[str, int]:
+    counter = FlopCounterMode(display=False, custom_mapping=model_flop_mapping())
+    with counter:
+        run()  # type: ignore[operator]
+    return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+def test_in_place_product_and_cpu_attention_are_counted_on_the_pairs_the_mask_allows() -> None:
+    out = torch.zeros(3, 5)
+    assert _counted(lambda: out.addmm_(torch.ones(3, 2), torch.ones(2, 5))) == {"aten.addmm_": 2 * 3 * 2 * 5}
+    q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
+    # causal over 5 positions: 1 + 2 + 3 + 4 + 5 = 15 pairs a head, 2 heads; a pair is 2 x 8 FLOPs a product:
+    # q kᵀ and p v forward (2 products), their 4 gradient products backward
+    causal = {"aten._scaled_dot_product_flash_attention_for_cpu": 2 * 16 * 30,
+              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 4 * 16 * 30}
+    assert _counted(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()) == causal
+    tril = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert _counted(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=tril).sum().backward()) == causal
+    # a float mask: -inf where masked; here query 4 sees 3 keys of 5, the rest all 5: 23 pairs a head
+    mask = torch.zeros(5, 5)
+    mask[4, :2] = float("-inf")
+    assert _counted(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)) == {
+        "aten._scaled_dot_product_flash_attention_for_cpu": 2 * 16 * 46}
+    assert all(any(op.endswith(name) for name in ATTENTION_OPS) for op in causal)
+
+
+def test_segment_pairs_count_both_ranges_and_the_flagged_keys() -> None:
+    # query i sees [0, a) and [b, c]: a causal row (0, 0, i), a packed reply over a 3-token prefix (3, 3, 4),
+    # an empty second range (b > c), and overlapping ranges counted once ([0, 4) ∪ [2, 5] and [0, 4) ∪ [1, 5]: 6 keys)
+    bounds = torch.tensor([[[0, 0, 2], [3, 3, 4], [2, 5, 4], [4, 2, 5], [4, 1, 5]]], dtype=torch.int32)
+    assert _segment_pairs(bounds) == 3 + 5 + 2 + 6 + 6
+    # key 1 a hole, which only the first range reads: {0, 2} ∪ [3, 4]; {0}; {0, 2, 3} ∪ [2, 5]; and [1, 5] sees key 1
+    valid = torch.tensor([[True, False, True, True, True, True]])
+    assert _segment_pairs(bounds, valid) == 3 + 4 + 1 + 5 + 6
+
+
+def test_the_segment_kernel_is_counted_on_its_bounds() -> None:
+    require(cpu_attention.compiler() is not None, "no C++ compiler to build the kernel")
+    assert cpu_attention.kernel_available()
+    if not torch.ops.ragen_cpu_attention.segment_attention_available():
+        pytest.skip("this CPU has no AVX512-BF16: the segment kernel does not run here")
+    from ragen_core.trainer.attention import SegmentAttention, packed_bounds
+
+    bounds = packed_bounds(3, [2, 1])  # the prefix causally (6 pairs), then 3 + 1, 3 + 2 and 3 + 1: 19 pairs
+    q = torch.randn(1, 6, 6, 64).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, 2, 6, 64).bfloat16().requires_grad_() for _ in range(2))
+    counted = _counted(lambda: SegmentAttention.apply(q, k, v, bounds, 0.125).float().sum().backward())
+    pair = 2 * 64 * 6  # a pair's product over the head size, for each of the 6 query heads
+    assert counted == {"ragen_cpu_attention.segment_attention_fwd": 2 * pair * 19,
+                       "ragen_cpu_attention.segment_attention_bwd": 4 * pair * 19}
