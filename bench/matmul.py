@@ -109,6 +109,8 @@ def _segment_pairs(bounds: torch.Tensor, valid: torch.Tensor | None = None) -> i
     """Query-key pairs the segment kernel's bounds allow: query i of row r sees the keys j < a (of them only the
     flagged ones, with ``valid`` [B, Lk]) and b <= j <= c, once each (bounds [B, Lq, 3] of (a, b, c))."""
     a, lo, hi = (bounds[..., j].to(torch.int64) for j in range(3))
+    if a.numel() == 0:
+        return 0
     width = valid.shape[1] if valid is not None else int(max(int(a.max()), int(hi.max()) + 1, 0))
     flags = valid.to(torch.int64) if valid is not None else torch.ones(a.shape[0], width, dtype=torch.int64)
     csum = torch.nn.functional.pad(flags.cumsum(-1), (1, 0))  # [B, Lk + 1]: flagged keys before each index

@@ -8,6 +8,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_bench_matmul.py -q
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,10 +66,10 @@ def test_replay_runs_every_product_on_operands_of_the_recorded_layouts() -> None
     assert seen == [(x.shape, x.stride) for x in layouts] * 3  # the warm-up and 2 timed runs
 
 
-def _counted(run: object) -> dict[str, int]:
+def _counted(run: Callable[[], object]) -> dict[str, int]:
     counter = FlopCounterMode(display=False, custom_mapping=model_flop_mapping())
     with counter:
-        run()  # type: ignore[operator]
+        run()
     return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
 
 
@@ -96,7 +97,8 @@ def test_segment_pairs_count_both_ranges_and_the_flagged_keys() -> None:
     # an empty second range (b > c), and overlapping ranges counted once ([0, 4) ∪ [2, 5] and [0, 4) ∪ [1, 5]: 6 keys)
     bounds = torch.tensor([[[0, 0, 2], [3, 3, 4], [2, 5, 4], [4, 2, 5], [4, 1, 5]]], dtype=torch.int32)
     assert _segment_pairs(bounds) == 3 + 5 + 2 + 6 + 6
-    # key 1 a hole, which only the first range reads: {0, 2} ∪ [3, 4]; {0}; {0, 2, 3} ∪ [2, 5]; and [1, 5] sees key 1
+    # key 1 a hole, which only the first range reads; row by row: [0, 2]; {0, 2} ∪ [3, 4]; {0}; {0, 2, 3} ∪ [2, 5];
+    # {0, 2, 3} ∪ [1, 5], whose second range sees key 1
     valid = torch.tensor([[True, False, True, True, True, True]])
     assert _segment_pairs(bounds, valid) == 3 + 4 + 1 + 5 + 6
 
